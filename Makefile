@@ -1,0 +1,48 @@
+# Two entry points, both self-contained on a fresh machine and idempotent:
+#   make test    create .venv, build dpkernels (C++ always, CUDA whenever nvcc is found), run the suite
+#   make bench   same set-up, then `dpkernels bench`
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.14.1
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
+# The nvcc on PATH may be a wrapper script; the toolkit root is where the real driver lives.
+CUDA_HOME ?= $(shell nvcc -dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ _HERE_=\(.*\)\/bin$$/\1/p' | head -n1)
+export CUDA_HOME
+BENCH_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: test bench install lint format static-check clean
+
+$(VENV)/.deps: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q numpy scipy ninja "opacus>=1.5" dp-accounting rich pytest pytest-benchmark hypothesis ruff
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps setup.py $(SOURCES)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(VENV)/.built
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/dpkernels bench $(BENCH_ARGS)
+
+static-check: install
+	$(PY) tools/gpu_static_check.py
+
+lint: $(VENV)/.deps
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.deps
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+	clang-format -i $(SOURCES)
+
+clean:
+	rm -rf build *.egg-info dpkernels/*.so

@@ -1,0 +1,78 @@
+// Host-side validation and layout of a per-sample gradient list, shared by the CPU and CUDA
+// launchers of the clipping ops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "dpkernels/clip_math.h"
+#include "dpkernels/macros.h"
+
+namespace dpkernels {
+
+// grads holds k sets of L tensors, set-major: grads[j * L + l] is set j, parameter l, [B, ...].
+struct ClipLayout {
+  int64_t k = 0, L = 0, B = 0;
+  std::vector<int64_t> numel;  // elements per sample of parameter l
+};
+
+inline ClipLayout check_clip_inputs(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                                    at::TensorList scale, c10::DeviceType device) {
+  ClipLayout lay;
+  lay.k = static_cast<int64_t>(coeffs.size());
+  DPK_CHECK(lay.k > 0, "coeffs must not be empty");
+  DPK_CHECK(!grads.empty() && grads.size() % lay.k == 0, "got ", grads.size(), " gradient tensors for ", lay.k,
+            " sets");
+  lay.L = static_cast<int64_t>(grads.size()) / lay.k;
+  lay.B = grads[0].dim() > 0 ? grads[0].size(0) : 0;
+  for (size_t t = 0; t < grads.size(); ++t) {
+    const auto& g = grads[t];
+    const int64_t l = static_cast<int64_t>(t) % lay.L;
+    DPK_CHECK(g.device().type() == device, "grads[", t, "] is on ", g.device(), ", expected ", device);
+    DPK_CHECK(g.dim() >= 1 && g.size(0) == lay.B, "grads[", t, "] must be [B=", lay.B, ", ...], got ", g.sizes());
+    DPK_CHECK(g.is_contiguous(), "grads[", t, "] must be contiguous");
+    DPK_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16,
+              "grads[", t, "] has dtype ", g.scalar_type(), "; supported: float32, float16, bfloat16");
+    DPK_CHECK(g.scalar_type() == grads[l].scalar_type() && g.sizes() == grads[l].sizes(), "grads[", t,
+              "] must match set 0's tensor ", l, " in shape and dtype");
+    if (t < static_cast<size_t>(lay.L)) lay.numel.push_back(lay.B ? g.numel() / lay.B : g[0].numel());
+  }
+  for (auto* vecs : {&shift, &scale}) {
+    if (vecs->empty()) continue;
+    DPK_CHECK(static_cast<int64_t>(vecs->size()) == lay.L, "shift/scale must hold one tensor per parameter (",
+              lay.L, "), got ", vecs->size());
+    for (int64_t l = 0; l < lay.L; ++l) {
+      const auto& v = (*vecs)[l];
+      DPK_CHECK(v.scalar_type() == at::kFloat && v.is_contiguous() && v.numel() == lay.numel[l] &&
+                    v.device().type() == device,
+                "shift/scale[", l, "] must be a contiguous float32 tensor of ", lay.numel[l], " elements on ",
+                device);
+    }
+  }
+  return lay;
+}
+
+inline ClipMode parse_clip_mode(c10::string_view mode) {
+  if (mode == "clip") return ClipMode::kClip;
+  if (mode == "auto_s") return ClipMode::kAutoS;
+  if (mode == "auto_v") return ClipMode::kAutoV;
+  if (mode == "psac") return ClipMode::kPsac;
+  TORCH_CHECK(false, "dpkernels: unknown clip mode '", std::string(mode), "'");
+}
+
+// Per-parameter clip bounds: one value for every tensor, or one per tensor; returns L values.
+inline std::vector<double> clip_bounds(at::ArrayRef<double> max_grad_norm, const at::Tensor& norms) {
+  const int64_t L = norms.dim() == 2 ? norms.size(1) : 1;
+  DPK_CHECK(max_grad_norm.size() == 1 || static_cast<int64_t>(max_grad_norm.size()) == L,
+            "max_grad_norm must hold 1 or ", L, " values, got ", max_grad_norm.size());
+  DPK_CHECK(norms.dim() == 1 || norms.dim() == 2, "norms must be [B] or [B, L], got ", norms.sizes());
+  DPK_CHECK(norms.scalar_type() == at::kFloat || norms.scalar_type() == at::kDouble,
+            "norms must be float32 or float64, got ", norms.scalar_type());
+  DPK_CHECK(norms.is_contiguous(), "norms must be contiguous");
+  if (max_grad_norm.size() == 1) return std::vector<double>(L, max_grad_norm[0]);
+  return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
+}
+
+}  // namespace dpkernels

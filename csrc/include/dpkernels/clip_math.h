@@ -1,0 +1,50 @@
+// Element math of the per-sample clipping pipeline, shared by the CPU and CUDA kernels.
+//
+// Every function is a template on T so that one formula serves scalars (float, double) on the
+// host and the device and at::vec::Vectorized<float> in the CPU SIMD loops. The Python
+// reference (dpkernels/reference/clip.py) and the Triton kernels (triton_kernels/clip.py) spell
+// the same formulas; tests hold all four to the reference.
+#pragma once
+
+#include "dpkernels/macros.h"
+
+namespace dpkernels {
+
+// Numbering shared with the Python side (dpkernels/reference/clip.py CLIP_MODES order).
+enum class ClipMode : int { kClip = 0, kAutoS = 1, kAutoV = 2, kPsac = 3 };
+
+// Opacus's guard in min(1, C/(n + eps)); also makes n = 0 finite.
+constexpr double kClipEps = 1e-6;
+// Auto-V's C/n stops growing below this norm, so zero and denormal norms give finite weights.
+constexpr double kAutoVMinNorm = 1e-12;
+
+// Per-sample weight c = f(n). Comparisons are written so that a NaN norm gives a NaN weight, as
+// torch.clamp does in the reference (the pipeline zeroes such samples explicitly).
+template <typename T>
+DPK_HOST_DEVICE inline T clip_weight(ClipMode mode, T n, T C, T r) {
+  switch (mode) {
+    case ClipMode::kClip: {
+      const T c = C / (n + T(kClipEps));
+      return c > T(1) ? T(1) : c;
+    }
+    case ClipMode::kAutoS:
+      return C / (n + r);
+    case ClipMode::kAutoV:
+      return C / (n < T(kAutoVMinNorm) ? T(kAutoVMinNorm) : n);
+    case ClipMode::kPsac:
+      // Nested form: n + r/(n + r) >= 2*sqrt(r) - r > 0, and nothing is squared, so it neither
+      // divides by zero nor overflows (the expanded (n+r)/(n^2+rn+r) overflows for n > 1.8e19).
+      return C / (n + r / (n + r));
+  }
+  return T(0);
+}
+
+// The vector whose norm is taken: (v - shift) * scale, the optional parts compiled out.
+template <bool kShift, bool kScale, typename T>
+DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
+  if constexpr (kShift) v = v - shift;
+  if constexpr (kScale) v = v * scale;
+  return v;
+}
+
+}  // namespace dpkernels

@@ -1,0 +1,23 @@
+"""dpkernels: fused kernels for differentially private training.
+
+Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` backends):
+
+- :func:`per_sample_norms`, :func:`clip_factors`, :func:`weighted_sum`
+- :func:`clip_and_accumulate`, the fused per-sample clipping pipeline
+- :func:`available_backends`
+"""
+
+from ._backend import BACKENDS, available_backends
+from .clip import CLIP_MODES, clip_and_accumulate, clip_factors, per_sample_norms, weighted_sum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "CLIP_MODES",
+    "available_backends",
+    "clip_and_accumulate",
+    "clip_factors",
+    "per_sample_norms",
+    "weighted_sum",
+]

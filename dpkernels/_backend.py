@@ -1,0 +1,101 @@
+"""Which backends exist in this install, and which one an op call runs on."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("reference", "cpu", "cuda", "triton")
+
+_REBUILD = "reinstall with `make install` (or `pip install --no-build-isolation -e .`) on a machine with a C++ compiler"
+
+
+@functools.cache
+def _extension():
+    """The compiled extension, or None for a pure-Python install (``DPK_SKIP_EXT=1``)."""
+    try:
+        return importlib.import_module("dpkernels._C")
+    except ImportError:
+        return None
+
+
+def has_cpu_kernels() -> bool:
+    return _extension() is not None
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was built with its CUDA part (whether or not a GPU is present)."""
+    return _extension() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "dpkernels_C::weighted_sum", "CUDA"
+    )
+
+
+@functools.cache
+def has_triton() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """The backends usable in this install, on this machine, for tensors on ``device``.
+
+    ``device=None`` lists every backend usable for some device here.
+    """
+    dev = None if device is None else torch.device(device).type
+    cuda_ok = torch.cuda.is_available()
+    found = ["reference"]
+    if has_cpu_kernels() and dev in (None, "cpu"):
+        found.append("cpu")
+    if has_cuda_kernels() and cuda_ok and dev in (None, "cuda"):
+        found.append("cuda")
+    # The interpreter runs Triton kernels on CPU tensors; compiled Triton needs a GPU.
+    if has_triton() and ((dev in (None, "cpu") and triton_interpreting()) or (dev in (None, "cuda") and cuda_ok)):
+        found.append("triton")
+    return found
+
+
+def _why_unavailable(backend: str, dev: str) -> str:
+    if backend == "cpu":
+        if dev != "cpu":
+            return f"the cpu backend runs on CPU tensors, got {dev} tensors"
+        return f"dpkernels was installed without its C++ extension; {_REBUILD}"
+    if backend == "cuda":
+        if dev != "cuda":
+            return f"the cuda backend runs on CUDA tensors, got {dev} tensors"
+        if not has_cuda_kernels():
+            return (
+                "dpkernels was built without its CUDA part; install a CUDA build of torch, put nvcc on "
+                "PATH and reinstall with DPK_BUILD_CUDA=1"
+            )
+        return "no CUDA device is available"
+    if not has_triton():
+        return "triton is not installed; `pip install triton`"
+    return "Triton needs a CUDA device, or TRITON_INTERPRET=1 (set before importing dpkernels) to run on CPU"
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """Map ``backend`` (``"auto"`` or a name in :data:`BACKENDS`) to a usable backend for ``device``.
+
+    ``auto`` picks cuda, then triton for CUDA tensors, and cpu, then reference for CPU tensors.
+    An explicit backend that cannot run raises and says how to fix it.
+    """
+    dev = device.type
+    usable = available_backends(device)
+    if backend == "auto":
+        order = ("cuda", "triton", "reference") if dev == "cuda" else ("cpu", "reference")
+        return next(b for b in order if b in usable)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if backend not in usable:
+        raise RuntimeError(f"backend {backend!r} is not available: {_why_unavailable(backend, dev)}")
+    return backend

@@ -1,0 +1,368 @@
+"""Per-sample clipping: norms, clip weights and the clipped sum, on every backend.
+
+The three stages of DESIGN.md §2, each a registered ``torch.library`` op in the ``dpkernels``
+namespace, plus the fused pipeline ``clip_and_accumulate``:
+
+1. ``per_sample_norms``: ``n_i = ‖(Σ_j α_j g_i^(j) − shift) ⊙ scale‖₂``, flat or per layer.
+2. ``clip_factors``:     ``c_i = f(n_i)``; clip, auto_s, auto_v or psac.
+3. ``weighted_sum``:     ``S = Σ_i c_i Σ_j α_j g_i^(j)``, over the raw gradients.
+
+Inputs are Opacus-style per-sample gradients: a list of ``[B, *param_shape]`` tensors (fp32, fp16
+or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum (seeds/002), a list
+of ``k`` such lists with ``coeffs=[α_1..α_k]``. Non-contiguous tensors are copied to contiguous
+memory before the kernels run (one extra copy of that tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from . import _backend
+from .reference import clip as ref
+
+CLIP_MODES = ref.CLIP_MODES
+# Defaults for r: DP-PSAC recommends r = 0.1 (seeds/003 §B.4); Auto-S uses 0.01 as fastDP does.
+DEFAULT_R = {"auto_s": 0.01, "psac": 0.1}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends: each provides per_sample_sumsq, clip_factors and weighted_sum with the reference's
+# signatures (grad_sets is a list of k lists of L tensors).
+# --------------------------------------------------------------------------------------------
+
+
+def _flat(grad_sets):
+    return [g for gs in grad_sets for g in gs]
+
+
+def _native_kernels():
+    """The C++ ops (``torch.ops.dpkernels_C``); one schema, CPU and CUDA kernels."""
+    ops = torch.ops.dpkernels_C
+    return SimpleNamespace(
+        per_sample_sumsq=lambda grad_sets, coeffs, shift, scale: ops.per_sample_sumsq(
+            _flat(grad_sets), list(coeffs), list(shift or []), list(scale or [])
+        ),
+        clip_factors=lambda norms, max_grad_norm, mode, r: ops.clip_factors(
+            norms, _as_list(max_grad_norm), mode, float(r)
+        ),
+        weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(
+            _flat(grad_sets), list(coeffs), weights
+        ),
+    )
+
+
+def _kernels(backend: str):
+    if backend == "reference":
+        return ref
+    if backend in ("cpu", "cuda"):
+        return _native_kernels()
+    from triton_kernels import clip as triton_clip
+
+    return triton_clip
+
+
+def _as_list(x) -> list[float]:
+    return [float(v) for v in x] if isinstance(x, Sequence) else [float(x)]
+
+
+def _unflatten(grads: list[Tensor], k: int) -> list[list[Tensor]]:
+    L = len(grads) // k
+    return [grads[j * L : (j + 1) * L] for j in range(k)]
+
+
+def _out_dtype(grads: Sequence[Tensor]) -> torch.dtype:
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Registered ops. Arguments are already validated and normalised by the public wrappers below;
+# an empty list stands for "no shift/scale".
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dpkernels::per_sample_norms", mutates_args=())
+def _per_sample_norms_op(
+    grads: list[Tensor], coeffs: list[float], shift: list[Tensor], scale: list[Tensor], per_layer: bool, backend: str
+) -> Tensor:
+    sumsq = _kernels(backend).per_sample_sumsq(_unflatten(grads, len(coeffs)), coeffs, shift or None, scale or None)
+    return (sumsq if per_layer else sumsq.sum(dim=1)).sqrt().to(_out_dtype(grads))
+
+
+@_per_sample_norms_op.register_fake
+def _(grads, coeffs, shift, scale, per_layer, backend):
+    B, L = grads[0].shape[0], len(grads) // len(coeffs)
+    return grads[0].new_empty((B, L) if per_layer else (B,), dtype=_out_dtype(grads))
+
+
+@torch.library.custom_op("dpkernels::clip_factors", mutates_args=())
+def _clip_factors_op(norms: Tensor, max_grad_norm: list[float], mode: str, r: float, backend: str) -> Tensor:
+    return _kernels(backend).clip_factors(norms, max_grad_norm, mode, r)
+
+
+@_clip_factors_op.register_fake
+def _(norms, max_grad_norm, mode, r, backend):
+    return torch.empty_like(norms)
+
+
+@torch.library.custom_op("dpkernels::weighted_sum", mutates_args=())
+def _weighted_sum_op(grads: list[Tensor], coeffs: list[float], weights: Tensor, backend: str) -> list[Tensor]:
+    return _kernels(backend).weighted_sum(_unflatten(grads, len(coeffs)), weights, coeffs)
+
+
+@_weighted_sum_op.register_fake
+def _(grads, coeffs, weights, backend):
+    L = len(grads) // len(coeffs)
+    return [g.new_empty(g.shape[1:], dtype=_out_dtype(grads)) for g in grads[:L]]
+
+
+@torch.library.custom_op("dpkernels::clip_and_accumulate", mutates_args=())
+def _clip_and_accumulate_op(
+    grads: list[Tensor],
+    coeffs: list[float],
+    max_grad_norm: list[float],
+    mode: str,
+    r: float,
+    shift: list[Tensor],
+    scale: list[Tensor],
+    per_layer: bool,
+    nonfinite: str,
+    backend: str,
+) -> tuple[list[Tensor], Tensor]:
+    C = max_grad_norm if per_layer else max_grad_norm[0]
+    return ref.clip_and_accumulate(
+        _unflatten(grads, len(coeffs)), C, coeffs, mode, r, shift or None, scale or None,
+        per_layer, nonfinite, kernels=_kernels(backend),
+    )  # fmt: skip
+
+
+@_clip_and_accumulate_op.register_fake
+def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, backend):
+    L = len(grads) // len(coeffs)
+    dtype = _out_dtype(grads)
+    B = grads[0].shape[0]
+    sums = [g.new_empty(g.shape[1:], dtype=dtype) for g in grads[:L]]
+    return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every problem gets a message that names it; nothing is silently reinterpreted.
+# --------------------------------------------------------------------------------------------
+
+
+class _Batch(SimpleNamespace):
+    """Validated inputs: ``grads`` flat (set-major, contiguous), ``k`` sets of ``L`` tensors."""
+
+
+def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> _Batch:
+    if isinstance(grad_samples, Tensor) or not isinstance(grad_samples, Sequence):
+        raise TypeError(f"{what} must be a list of per-sample gradient tensors [B, *param_shape], got {type(grad_samples).__name__}")
+    if len(grad_samples) == 0:
+        raise ValueError(f"{what} is an empty list; pass at least one per-sample gradient tensor")
+    nested = not isinstance(grad_samples[0], Tensor)
+    sets = [list(s) for s in grad_samples] if nested else [list(grad_samples)]
+    k, L = len(sets), len(sets[0])
+    if coeffs is None:
+        if k != 1:
+            raise ValueError(f"{what} holds {k} gradient sets; pass coeffs=[α_1..α_{k}] to combine them")
+        coeffs = [1.0]
+    coeffs = [float(a) for a in coeffs]
+    if len(coeffs) != k:
+        raise ValueError(f"coeffs has {len(coeffs)} entries but {what} holds {k} gradient set(s)")
+    if not all(math.isfinite(a) for a in coeffs):
+        raise ValueError(f"coeffs must be finite, got {coeffs}")
+    if L == 0:
+        raise ValueError(f"{what} contains an empty gradient set")
+    first = sets[0][0]
+    if not isinstance(first, Tensor):
+        raise TypeError(f"{what} must contain tensors, got {type(first).__name__}")
+    B, device = first.shape[0] if first.dim() else -1, first.device
+    allowed = _FLOAT_DTYPES + ((torch.float64,) if backend == "reference" else ())
+    flat = []
+    for j, gs in enumerate(sets):
+        if len(gs) != L:
+            raise ValueError(f"gradient set {j} has {len(gs)} tensors but set 0 has {L}")
+        for idx, g in enumerate(gs):
+            name = f"{what}[{j}][{idx}]" if nested else f"{what}[{idx}]"
+            if not isinstance(g, Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(g).__name__}")
+            if g.dtype not in allowed:
+                hint = " (float64 runs on backend='reference' only)" if g.dtype == torch.float64 else ""
+                raise TypeError(f"{name} has dtype {g.dtype}; supported: {', '.join(map(str, allowed))}{hint}")
+            if g.dim() == 0:
+                raise ValueError(f"{name} is a scalar; per-sample gradients are [B, *param_shape]")
+            if g.device != device:
+                raise ValueError(f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device")
+            if g.shape[0] != B:
+                raise ValueError(f"{name} has batch size {g.shape[0]} but {what}[0] has {B}; all tensors must share B")
+            if j and g.shape != sets[0][idx].shape:
+                raise ValueError(f"{name} has shape {tuple(g.shape)} but set 0 has {tuple(sets[0][idx].shape)}")
+            flat.append(g if g.is_contiguous() else g.contiguous())
+    return _Batch(grads=flat, k=k, L=L, B=B, device=device, coeffs=coeffs, param_shapes=[g.shape[1:] for g in flat[:L]])
+
+
+def _prepare_vectors(vecs, batch: _Batch, name: str) -> list[Tensor]:
+    """shift/scale: None, or one tensor per parameter, shaped like it (no batch dim)."""
+    if vecs is None:
+        return []
+    if isinstance(vecs, Tensor) or len(vecs) != batch.L:
+        raise ValueError(f"{name} must be a list of {batch.L} tensors shaped like the parameters")
+    dtype = _out_dtype(batch.grads)
+    out = []
+    for idx, (v, shape) in enumerate(zip(vecs, batch.param_shapes, strict=True)):
+        if not isinstance(v, Tensor) or not v.is_floating_point():
+            raise TypeError(f"{name}[{idx}] must be a floating-point tensor")
+        if v.shape != shape:
+            raise ValueError(f"{name}[{idx}] has shape {tuple(v.shape)}, expected the parameter shape {tuple(shape)}")
+        if v.device != batch.device:
+            raise ValueError(f"{name}[{idx}] is on {v.device} but the gradients are on {batch.device}")
+        out.append(v.to(dtype).contiguous())
+    return out
+
+
+def _check_mode(mode: str, r: float | None) -> float:
+    if mode not in CLIP_MODES:
+        raise ValueError(f"unknown clip mode {mode!r}; expected one of {CLIP_MODES}")
+    if mode not in DEFAULT_R:
+        if r is not None:
+            raise ValueError(f"r is only used by modes 'auto_s' and 'psac', not {mode!r}; leave it None")
+        return 0.0
+    r = DEFAULT_R[mode] if r is None else r
+    if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
+        raise ValueError(f"r must be a finite number > 0 for mode {mode!r}, got {r!r}")
+    return float(r)
+
+
+def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
+    if isinstance(max_grad_norm, Tensor):
+        max_grad_norm = max_grad_norm.tolist()
+    values = _as_list(max_grad_norm)
+    if isinstance(max_grad_norm, Sequence):
+        if not per_layer:
+            raise ValueError("a list of max_grad_norm values needs per_layer=True; flat clipping takes one float")
+        if len(values) != L:
+            raise ValueError(f"max_grad_norm has {len(values)} entries for {L} parameter tensors")
+    if not all(math.isfinite(c) and c > 0 for c in values):
+        raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def per_sample_norms(grad_samples, *, shift=None, scale=None, per_layer=False, coeffs=None, backend="auto") -> Tensor:
+    """Per-sample L2 norms of ``(Σ_j α_j g_i^(j) − shift) ⊙ scale``.
+
+    Args:
+        grad_samples: list of ``[B, *param_shape]`` tensors, or a list of ``k`` such lists.
+        shift, scale: ``None`` or one tensor per parameter, shaped like it (DP-MacAdam's
+            ``m̂``, ``1/b``; scale-then-privatize's ``s``).
+        per_layer: one norm per tensor (``[B, L]``) instead of one over all tensors (``[B]``).
+        coeffs: ``[α_1..α_k]`` when ``grad_samples`` holds ``k`` sets.
+        backend: ``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
+
+    Returns: fp32 ``[B]`` or ``[B, L]`` (fp64 for fp64 input on the reference backend). Squares
+    are accumulated in fp64, so the norm of any finite gradient is exact to fp32 rounding.
+    """
+    batch = _prepare(grad_samples, coeffs, backend)
+    backend = _backend.resolve(backend, batch.device)
+    shift_v = _prepare_vectors(shift, batch, "shift")
+    scale_v = _prepare_vectors(scale, batch, "scale")
+    return _per_sample_norms_op(batch.grads, batch.coeffs, shift_v, scale_v, bool(per_layer), backend)
+
+
+def clip_factors(norms: Tensor, max_grad_norm, *, mode: str = "clip", r: float | None = None, backend="auto") -> Tensor:
+    """Per-sample weights ``c_i = f(n_i)``, same shape and dtype as ``norms``.
+
+    Modes (``C`` = ``max_grad_norm``; a list of ``L`` values for ``[B, L]`` per-layer norms):
+
+    - ``clip``:   ``min(1, C/(n + 1e-6))``  DP-SGD; the guard is Opacus's.
+    - ``auto_s``: ``C/(n + r)``              Auto-S / NSGD; default ``r = 0.01``.
+    - ``auto_v``: ``C/max(n, 1e-12)``        Auto-V; the floor keeps zero norms finite.
+    - ``psac``:   ``C/(n + r/(n + r))``      DP-PSAC (Xia et al., AAAI-23); default ``r = 0.1``.
+
+    Every mode satisfies ``c·n ≤ C`` (``auto_s`` and ``psac`` strictly), so the sum of the
+    weighted gradients has sensitivity ``C`` under add/remove adjacency.
+    """
+    if not isinstance(norms, Tensor) or norms.dtype not in (torch.float32, torch.float64):
+        raise TypeError("norms must be a float32 or float64 tensor [B] or [B, L]")
+    if norms.dim() not in (1, 2):
+        raise ValueError(f"norms must be [B] or [B, L], got shape {tuple(norms.shape)}")
+    r = _check_mode(mode, r)
+    per_layer = norms.dim() == 2
+    C = _check_max_grad_norm(max_grad_norm, per_layer, norms.shape[-1] if per_layer else 1)
+    if per_layer and len(C) == 1:
+        C = C * norms.shape[1]
+    backend = _backend.resolve(backend, norms.device)
+    if backend != "reference" and norms.dtype == torch.float64 and backend == "triton":
+        norms = norms.float()
+    return _clip_factors_op(norms.contiguous(), C, mode, r, backend)
+
+
+def weighted_sum(grad_samples, weights: Tensor, *, coeffs=None, backend="auto") -> list[Tensor]:
+    """``S^(l) = Σ_i w_i Σ_j α_j g_i^(j,l)`` for each parameter ``l``, accumulated and returned in fp32.
+
+    ``weights`` is ``[B]`` or ``[B, L]`` (one weight per sample and tensor). A sample whose
+    weight is exactly 0 is skipped, so a dropped non-finite sample cannot poison the sum.
+    """
+    batch = _prepare(grad_samples, coeffs, backend)
+    backend = _backend.resolve(backend, batch.device)
+    if not isinstance(weights, Tensor) or not weights.is_floating_point():
+        raise TypeError("weights must be a floating-point tensor [B] or [B, L]")
+    if weights.device != batch.device:
+        raise ValueError(f"weights are on {weights.device} but the gradients are on {batch.device}")
+    if weights.shape not in ((batch.B,), (batch.B, batch.L)):
+        raise ValueError(f"weights must have shape [B]={batch.B} or [B, L]=[{batch.B}, {batch.L}], got {tuple(weights.shape)}")
+    if weights.dim() == 1:
+        weights = weights[:, None].expand(-1, batch.L)
+    w = weights.to(_out_dtype(batch.grads)).contiguous()
+    return _weighted_sum_op(batch.grads, batch.coeffs, w, backend)
+
+
+def clip_and_accumulate(
+    grad_samples,
+    max_grad_norm,
+    *,
+    mode: str = "clip",
+    r: float | None = None,
+    shift=None,
+    scale=None,
+    per_layer: bool = False,
+    coeffs=None,
+    nonfinite: str = "raise",
+    backend: str = "auto",
+) -> tuple[list[Tensor], Tensor]:
+    """The fused clipping pipeline: ``(sums, norms)`` without any ``B×D`` intermediate.
+
+    ``norms = per_sample_norms(...)``, ``c = clip_factors(norms, ...)`` and
+    ``sums[l] = Σ_i c_i Σ_j α_j g_i^(j,l)`` over the raw gradients (shift/scale only enter the
+    norm; DESIGN.md §2). Reads the per-sample gradients twice and writes ``D`` fp32 values.
+
+    Args: as :func:`per_sample_norms` and :func:`clip_factors`, plus
+        nonfinite: ``"raise"`` (default) raises ``ValueError`` naming the samples whose gradient
+            has a NaN or Inf; ``"drop"`` gives those samples weight 0 (all tensors, even with
+            ``per_layer=True``). ``"raise"`` synchronises with the device once per call.
+
+    Returns: ``sums``, one fp32 tensor per parameter shaped like it; ``norms``, fp32 ``[B]`` or
+    ``[B, L]``. ``B = 0`` is valid and gives zero sums.
+    """
+    if nonfinite not in ("raise", "drop"):
+        raise ValueError(f"nonfinite must be 'raise' or 'drop', got {nonfinite!r}")
+    batch = _prepare(grad_samples, coeffs, backend)
+    backend = _backend.resolve(backend, batch.device)
+    r = _check_mode(mode, r)
+    C = _check_max_grad_norm(max_grad_norm, per_layer, batch.L)
+    if per_layer and len(C) == 1:
+        C = C * batch.L
+    shift_v = _prepare_vectors(shift, batch, "shift")
+    scale_v = _prepare_vectors(scale, batch, "scale")
+    return _clip_and_accumulate_op(
+        batch.grads, batch.coeffs, C, mode, r, shift_v, scale_v, bool(per_layer), nonfinite, backend
+    )

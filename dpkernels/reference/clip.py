@@ -1,0 +1,175 @@
+"""Pure-PyTorch reference for the per-sample clipping pipeline.
+
+This file defines what the ``cpu``, ``cuda`` and ``triton`` backends must compute. It is written
+to be read, not to be fast: it materialises the combined per-sample gradients ``[B, D]``.
+
+Notation (shapes per parameter tensor ``l`` of ``L``):
+
+- ``g_i^(j,l)``: per-sample gradient of sample ``i`` in gradient set ``j`` (``k`` sets), stored
+  as a tensor ``[B, *param_shape]`` (Opacus's ``p.grad_sample`` layout).
+- ``v_i^(l) = Σ_j α_j g_i^(j,l)``: the combined per-sample gradient (DP-PMLF per-sample momentum,
+  seeds/002; ``k = 1`` and ``α = [1]`` otherwise).
+- ``n_i = ‖(v_i − shift) ⊙ scale‖₂`` over all tensors together (flat), or per tensor
+  (``per_layer=True``); ``shift``/``scale`` come from DP-MacAdam (seeds/000) and
+  scale-then-privatize (seeds/001).
+
+Numerics, shared by every backend: the combination and the shift/scale are computed in fp32
+(fp64 when the input is fp64, reference only); squares are accumulated in fp64, so a norm is
+exact to fp32 rounding and cannot overflow for any finite gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sys
+
+import torch
+
+_THIS_MODULE = sys.modules[__name__]
+
+CLIP_MODES = ("clip", "auto_s", "auto_v", "psac")
+
+# Opacus's flat clipping uses min(1, C / (n + 1e-6)); keeping the same guard keeps us bit-close
+# to Opacus and gives a finite weight at n = 0.
+CLIP_EPS = 1e-6
+# Auto-V's C / n has no regulariser; below this norm the sample is treated as zero (its weight
+# stops growing), so weights stay finite in fp32 and the contribution stays below C.
+AUTO_V_MIN_NORM = 1e-12
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def combine(grad_sets: Sequence[Sequence[torch.Tensor]], coeffs: Sequence[float]) -> list[torch.Tensor]:
+    """``v^(l) = Σ_j α_j g^(j,l)`` for each tensor ``l``, as ``[B, n_l]`` in the compute dtype."""
+    dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
+    out = []
+    for per_set in zip(*grad_sets, strict=True):
+        acc = torch.zeros_like(per_set[0], dtype=dtype).flatten(1)
+        for alpha, g in zip(coeffs, per_set, strict=True):
+            acc = acc + alpha * g.to(dtype).flatten(1)
+        out.append(acc)
+    return out
+
+
+def per_sample_sumsq(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    coeffs: Sequence[float],
+    shift: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``s_il = Σ_e ((v_i^(l) − shift^(l)) ⊙ scale^(l))_e²``, fp64 ``[B, L]``."""
+    cols = []
+    for idx, v in enumerate(combine(grad_sets, coeffs)):
+        if shift is not None:
+            v = v - shift[idx].to(v.dtype).flatten()
+        if scale is not None:
+            v = v * scale[idx].to(v.dtype).flatten()
+        cols.append(v.double().square().sum(dim=1))
+    return torch.stack(cols, dim=1)
+
+
+def per_sample_norms(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    coeffs: Sequence[float] = (1.0,),
+    shift: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+    per_layer: bool = False,
+) -> torch.Tensor:
+    """Per-sample L2 norms: ``[B]`` (flat) or ``[B, L]`` (per layer); fp32, fp64 for fp64 input."""
+    sumsq = per_sample_sumsq(grad_sets, coeffs, shift, scale)
+    out_dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
+    sumsq = sumsq if per_layer else sumsq.sum(dim=1)
+    return sumsq.sqrt().to(out_dtype)
+
+
+def clip_factors(
+    norms: torch.Tensor, max_grad_norm: float | Sequence[float], mode: str = "clip", r: float = 0.0
+) -> torch.Tensor:
+    """Per-sample weights ``c = f(n)``, in the dtype of ``norms``.
+
+    - ``clip``:   ``min(1, C / (n + 1e-6))``           DP-SGD (Abadi et al.), Opacus's guard
+    - ``auto_s``: ``C / (n + r)``                      Auto-S / NSGD (Bu et al.; Yang et al.)
+    - ``auto_v``: ``C / max(n, 1e-12)``                Auto-V, pure normalisation
+    - ``psac``:   ``C / (n + r / (n + r))``            DP-PSAC (seeds/003, nested form: the
+      denominator is ≥ 2√r − r > 0, so no guard is needed even at n = 0)
+
+    ``max_grad_norm`` broadcasts against ``norms`` (a scalar, or ``[L]`` for per-layer norms).
+    Every mode keeps ``c · n ≤ C``.
+    """
+    n = norms
+    C = torch.as_tensor(max_grad_norm, dtype=n.dtype, device=n.device)
+    if C.numel() == 1:
+        C = C.reshape(())
+    if mode == "clip":
+        return torch.clamp(C / (n + CLIP_EPS), max=1.0)
+    if mode == "auto_s":
+        return C / (n + r)
+    if mode == "auto_v":
+        return C / torch.clamp(n, min=AUTO_V_MIN_NORM)
+    if mode == "psac":
+        return C / (n + r / (n + r))
+    raise ValueError(f"unknown clip mode {mode!r}; expected one of {CLIP_MODES}")
+
+
+def weighted_sum(
+    grad_sets: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor, coeffs: Sequence[float] = (1.0,)
+) -> list[torch.Tensor]:
+    """``S^(l) = Σ_i w_il v_i^(l)``, each shaped like its parameter, fp32 (fp64 for fp64 input).
+
+    ``weights`` is ``[B]`` or ``[B, L]``. A sample whose weight is exactly zero is skipped, not
+    multiplied, so a dropped non-finite sample cannot turn the sum into NaN.
+    """
+    sums = []
+    for idx, v in enumerate(combine(grad_sets, coeffs)):
+        w = (weights if weights.dim() == 1 else weights[:, idx]).to(v.dtype)
+        keep = w != 0
+        s = (w[keep, None] * v[keep]).sum(dim=0)
+        sums.append(s.reshape(grad_sets[0][idx].shape[1:]))
+    return sums
+
+
+def clip_and_accumulate(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    max_grad_norm: float | Sequence[float],
+    coeffs: Sequence[float] = (1.0,),
+    mode: str = "clip",
+    r: float = 0.0,
+    shift: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+    per_layer: bool = False,
+    nonfinite: str = "raise",
+    kernels=None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(S, n)``: norms of the shifted/scaled gradients, weights from them, sum of the raw ones.
+
+    ``S^(l) = Σ_i c_i v_i^(l)`` with ``c = clip_factors(n)`` (``[B]``, or ``[B, L]`` per layer).
+    A sample with a non-finite gradient raises (``nonfinite="raise"``) or gets weight 0
+    (``"drop"``). ``kernels`` is the module that provides ``per_sample_sumsq``,
+    ``clip_factors`` and ``weighted_sum``: this module for the reference, a backend otherwise.
+    Every backend runs this same composition, so only the three kernels differ.
+    """
+    kernels = kernels or _THIS_MODULE
+    sumsq = kernels.per_sample_sumsq(grad_sets, coeffs, shift, scale)
+    bad = ~torch.isfinite(sumsq).all(dim=1)
+    check_nonfinite(bad, nonfinite)
+    norms64 = (sumsq if per_layer else sumsq.sum(dim=1)).sqrt()
+    w = kernels.clip_factors(norms64, max_grad_norm, mode, r)
+    w = torch.where(bad if w.dim() == 1 else bad[:, None], 0.0, w)
+    if w.dim() == 1:
+        w = w[:, None].expand(-1, sumsq.shape[1])
+    out_dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
+    return kernels.weighted_sum(grad_sets, w.to(out_dtype).contiguous(), coeffs), norms64.to(out_dtype)
+
+
+def check_nonfinite(bad: torch.Tensor, policy: str) -> None:
+    """Raise (policy ``raise``) if any sample is non-finite, naming the sample indices."""
+    if policy == "raise" and bool(bad.any()):
+        idx = torch.nonzero(bad).flatten().tolist()
+        shown = ", ".join(map(str, idx[:20])) + (", ..." if len(idx) > 20 else "")
+        raise ValueError(
+            f"non-finite per-sample gradient for {len(idx)} sample(s) at batch indices [{shown}]; "
+            "pass nonfinite='drop' to give those samples weight 0 instead"
+        )
