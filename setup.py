@@ -74,7 +74,7 @@ def _extensions():
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc/cpu").glob("*.cpp"))]
     include_dirs = [str(ROOT / "csrc/include")]
-    cxx = ["-O3", "-std=c++17", "-fopenmp", *_cpu_arch_flags()]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", *_cpu_arch_flags()]
     extra = {"cxx": cxx}
     define_macros = []
     if build_cuda:
@@ -88,7 +88,7 @@ def _extensions():
                 if (site / spec).is_dir():
                     include_dirs.append(str(site / spec))
         extra["nvcc"] = [
-            "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+            "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
             "-gencode=arch=compute_80,code=sm_80",
             "-gencode=arch=compute_90,code=sm_90",
             "-gencode=arch=compute_90,code=compute_90",

@@ -200,8 +200,11 @@ def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> 
                 raise ValueError(f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device")
             if g.shape[0] != B:
                 raise ValueError(f"{name} has batch size {g.shape[0]} but {what}[0] has {B}; all tensors must share B")
-            if j and g.shape != sets[0][idx].shape:
-                raise ValueError(f"{name} has shape {tuple(g.shape)} but set 0 has {tuple(sets[0][idx].shape)}")
+            if j and (g.shape != sets[0][idx].shape or g.dtype != sets[0][idx].dtype):
+                raise ValueError(
+                    f"{name} is {tuple(g.shape)} {g.dtype} but set 0 has {tuple(sets[0][idx].shape)} "
+                    f"{sets[0][idx].dtype}; every set must match set 0 tensor by tensor"
+                )
             flat.append(g if g.is_contiguous() else g.contiguous())
     return _Batch(grads=flat, k=k, L=L, B=B, device=device, coeffs=coeffs, param_shapes=[g.shape[1:] for g in flat[:L]])
 
@@ -241,6 +244,8 @@ def _check_mode(mode: str, r: float | None) -> float:
 def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
     if isinstance(max_grad_norm, Tensor):
         max_grad_norm = max_grad_norm.tolist()
+    if not isinstance(max_grad_norm, (int, float, Sequence)) or isinstance(max_grad_norm, (bool, str)):
+        raise TypeError(f"max_grad_norm must be a float (or a list of floats with per_layer=True), got {max_grad_norm!r}")
     values = _as_list(max_grad_norm)
     if isinstance(max_grad_norm, Sequence):
         if not per_layer:
@@ -301,8 +306,6 @@ def clip_factors(norms: Tensor, max_grad_norm, *, mode: str = "clip", r: float |
     if per_layer and len(C) == 1:
         C = C * norms.shape[1]
     backend = _backend.resolve(backend, norms.device)
-    if backend != "reference" and norms.dtype == torch.float64 and backend == "triton":
-        norms = norms.float()
     return _clip_factors_op(norms.contiguous(), C, mode, r, backend)
 
 

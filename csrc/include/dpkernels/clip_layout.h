@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -37,7 +39,7 @@ inline ClipLayout check_clip_inputs(at::TensorList grads, at::ArrayRef<double> c
               "grads[", t, "] has dtype ", g.scalar_type(), "; supported: float32, float16, bfloat16");
     DPK_CHECK(g.scalar_type() == grads[l].scalar_type() && g.sizes() == grads[l].sizes(), "grads[", t,
               "] must match set 0's tensor ", l, " in shape and dtype");
-    if (t < static_cast<size_t>(lay.L)) lay.numel.push_back(lay.B ? g.numel() / lay.B : g[0].numel());
+    if (t < static_cast<size_t>(lay.L)) lay.numel.push_back(c10::multiply_integers(g.sizes().slice(1)));
   }
   for (auto* vecs : {&shift, &scale}) {
     if (vecs->empty()) continue;
@@ -52,6 +54,18 @@ inline ClipLayout check_clip_inputs(at::TensorList grads, at::ArrayRef<double> c
     }
   }
   return lay;
+}
+
+// Allocates an output that the kernel fully overwrites. With DPKERNELS_POISON_OUTPUTS=1 (set by the
+// test suite) it is filled with NaN first, so an element the kernel forgets to write is caught.
+inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  static const bool poison = [] {
+    const char* v = std::getenv("DPKERNELS_POISON_OUTPUTS");
+    return v != nullptr && v[0] == '1';
+  }();
+  auto out = at::empty(sizes, options);
+  if (poison) out.fill_(std::numeric_limits<float>::quiet_NaN());
+  return out;
 }
 
 inline ClipMode parse_clip_mode(c10::string_view mode) {

@@ -1,0 +1,732 @@
+// CUDA kernels of the per-sample clipping ops (schemas in csrc/ops.cpp, element math in clip_math.h,
+// semantics in dpkernels/reference/clip.py).
+//
+// [note: multi-tensor launches]
+// The two streaming ops cut every parameter of one storage dtype into fixed-size chunks and cover all
+// of them with one launch, as apex's multi_tensor_apply and ATen's fused optimizers do. The tensor
+// metadata travels by value in the kernel arguments (a __grid_constant__ struct, read through the
+// constant cache): no host-to-device copy, no host sync, and the launches can be captured in a CUDA
+// graph. When a table fills up the launcher flushes it and starts another, so a parameter may straddle
+// two launches; that is why each slot records the chunk of its parameter that it starts at.
+//
+// [note: determinism]
+// per_sample_sumsq writes one fp64 partial per (sample, chunk) into a [B, num_chunks] buffer, and a
+// second kernel sums the contiguous chunk range of each parameter in a fixed order. weighted_sum gives
+// every output element to one thread, which walks the samples in order. No atomics anywhere, so both
+// results are bitwise reproducible from run to run.
+//
+// [note: alignment]
+// A parameter takes the 128-bit path when every row of every gradient set (and shift/scale) starts on
+// a 16-byte boundary: 16-byte aligned base pointers and a per-sample numel that is a multiple of the
+// vector width. Chunk starts are multiples of the vector width too, so on that path a thread's vector
+// is either entirely inside the parameter or entirely past its end, and no tail loop is needed. Any
+// other parameter takes a scalar path in which thread t reads elements t, t + blockDim, ..., which is
+// just as coalesced, only with 4-byte or 2-byte transactions per thread.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "dpkernels/clip_layout.h"
+#include "dpkernels/clip_math.h"
+#include "dpkernels/dispatch.h"
+
+namespace dpkernels {
+namespace {
+
+// Kernel argument space. Drivers of CUDA 12.1+ accept 32 KiB of arguments on Volta and newer; like
+// ATen (MultiTensorApply.cuh) we rely on it only in CUDA 13 builds and stay under 4 KiB otherwise.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+constexpr size_t kArgBytes = 32764;
+constexpr int kMaxSlots = 320;    // parameter slices per launch
+constexpr int kMaxPtrs = 640;     // gradient pointers per launch (k per slot)
+constexpr int kMaxBlocks = 4096;  // chunks per launch
+constexpr int kMaxRanges = 3072;  // parameters per reduction launch; also clip bounds per launch
+#else
+constexpr size_t kArgBytes = 4096;
+constexpr int kMaxSlots = 40;
+constexpr int kMaxPtrs = 80;
+constexpr int kMaxBlocks = 512;
+constexpr int kMaxRanges = 448;
+#endif
+// Gradient sets (DP-PMLF's k) per call; their coefficients ride in every launch's arguments.
+constexpr int kMaxSets = 64;
+// Room left for the scalar arguments that follow the table in each kernel's parameter list.
+constexpr size_t kScalarArgBytes = 64;
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// per_sample_sumsq: one block reduces kSumsqSteps block-wide 128-bit steps (32 KiB) of one row.
+constexpr int kSumsqThreads = 256;
+constexpr int kSumsqSteps = 8;
+// Steps in flight per thread between two waits on memory.
+constexpr int kSumsqUnroll = 4;
+static_assert(kSumsqSteps % kSumsqUnroll == 0);
+// weighted_sum: one block owns kWsumThreads vectors of columns and walks all B rows. Small blocks,
+// so that a model of a few million parameters still yields enough blocks to fill the GPU.
+constexpr int kWsumThreads = 128;
+// Rows in flight per thread: 128 bytes of loads, whatever the dtype.
+constexpr int kWsumRowBytes = 128;
+constexpr int kReduceThreads = 256;
+constexpr int kClipThreads = 256;
+
+// Elements per 128-bit load.
+constexpr int ilp(int64_t itemsize) { return static_cast<int>(16 / itemsize); }
+constexpr int64_t sumsq_chunk(int64_t itemsize) {
+  return int64_t{kSumsqThreads} * ilp(itemsize) * kSumsqSteps;
+}
+constexpr int64_t wsum_chunk(int64_t itemsize) { return int64_t{kWsumThreads} * ilp(itemsize); }
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// Kernel argument tables (see [note: multi-tensor launches]).
+// ---------------------------------------------------------------------------------------------
+
+// Launch-wide chunk table shared by the two streaming kernels. Block b of a launch works on chunk
+// first_chunk[s] + (b - first_block[s]) of slot s = block_slot[b].
+struct SlotTable {
+  const void* grads[kMaxPtrs];      // slot s, gradient set j at [s * k + j]; [B, numel] each
+  int64_t numel[kMaxSlots];         // elements per sample
+  int32_t param[kMaxSlots];         // parameter index l: column of the outputs and of weights
+  int32_t first_block[kMaxSlots];   // first blockIdx.x of the slot
+  int32_t first_chunk[kMaxSlots];   // chunk of the parameter that first_block covers
+  uint8_t vec_ok[kMaxSlots];        // see [note: alignment]
+  uint16_t block_slot[kMaxBlocks];  // slot of each blockIdx.x
+  float alpha[kMaxSets];            // coefficients of the gradient sets, in fp32 like the math
+  int32_t k;
+};
+static_assert(kMaxSlots <= std::numeric_limits<uint16_t>::max() && kMaxPtrs >= kMaxSets);
+
+struct SumsqArgs {
+  SlotTable tab;
+  const float* shift[kMaxSlots];  // null unless the kernel is instantiated with kShift
+  const float* scale[kMaxSlots];
+  int64_t chunk_base;  // column of the partial buffer that blockIdx.x = 0 writes
+};
+
+struct WsumArgs {
+  SlotTable tab;
+  float* out[kMaxSlots];
+};
+
+// Parameters first_param .. first_param + count - 1; the chunks of parameter first_param + e are
+// columns begin[e] .. begin[e] + len[e] - 1 of the partial buffer.
+struct RangeArgs {
+  int32_t begin[kMaxRanges];
+  int32_t len[kMaxRanges];
+  int32_t first_param;
+  int32_t count;
+};
+
+// Clip bounds of columns first .. first + count - 1.
+struct BoundArgs {
+  double bound[kMaxRanges];
+  int32_t first;
+  int32_t count;
+};
+
+static_assert(sizeof(SumsqArgs) + kScalarArgBytes <= kArgBytes);
+static_assert(sizeof(WsumArgs) + kScalarArgBytes <= kArgBytes);
+static_assert(sizeof(RangeArgs) + kScalarArgBytes <= kArgBytes);
+static_assert(sizeof(BoundArgs) + kScalarArgBytes <= kArgBytes);
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+struct alignas(16) Vec16 {
+  T v[16 / sizeof(T)];
+};
+
+// Loads the N elements that a thread owns from offset c of p (a chunk), widened to fp32. kVec: N
+// consecutive elements as 128-bit loads (p + c aligned, and c < len implies c + N <= len). Otherwise
+// elements c, c + kStride, ..., so that a warp reads consecutive addresses. Offsets at or past len
+// read as 0. Offsets are 32-bit (a chunk is small); the 64-bit part of the address is in p.
+template <int N, bool kVec, int kStride, typename T>
+__device__ __forceinline__ void load_elems(const T* p, int c, int len, float (&x)[N]) {
+  if constexpr (kVec) {
+    constexpr int kPer = 16 / sizeof(T);
+    static_assert(N % kPer == 0);
+    if (c < len) {
+#pragma unroll
+      for (int q = 0; q < N / kPer; ++q) {
+        const Vec16<T> raw = *reinterpret_cast<const Vec16<T>*>(p + c + q * kPer);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) x[q * kPer + e] = static_cast<float>(raw.v[e]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < N; ++e) x[e] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = c + e * kStride < len ? static_cast<float>(p[c + e * kStride]) : 0.f;
+  }
+}
+
+// Whether element e of the group that load_elems read from offset c lies before len.
+template <bool kVec, int kStride>
+__device__ __forceinline__ bool in_range(int c, int e, int len) {
+  return kVec ? c < len : c + e * kStride < len;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* grad_row(const SlotTable& tab, int s, int j, int64_t row_offset) {
+  return static_cast<const T*>(tab.grads[s * tab.k + j]) + row_offset;
+}
+
+// Fixed shuffle tree, so the rounding of the sum does not depend on timing.
+__device__ __forceinline__ double warp_sum(double x) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off /= 2) x += __shfl_down_sync(kFullMask, x, off);
+  return x;
+}
+
+// Block-wide sum, valid in thread 0. Ends with a barrier so the caller can call it again at once.
+template <int kThreads>
+__device__ __forceinline__ double block_sum(double x, double* warp_sums) {
+  constexpr int kWarps = kThreads / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  x = warp_sum(x);
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) x = warp_sum(lane < kWarps ? warp_sums[lane] : 0.0);
+  __syncthreads();
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// per_sample_sumsq
+// ---------------------------------------------------------------------------------------------
+
+// Σ over the elements this thread owns in the chunk [start, start + len) of row i of slot s (offset
+// i * numel + start into the gradients) of shift_scale(Σ_j α_j g_j)². Combination and shift/scale in
+// fp32, as on every backend. The square is taken in fp64: the square of an fp32 value is exact there
+// and cannot overflow, and it costs the same one conversion and one fp64 instruction per element as
+// squaring in fp32 and adding in fp64.
+template <typename T, bool kShift, bool kScale, bool kVec>
+__device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_t offset, int64_t start,
+                                               int len) {
+  constexpr int N = ilp(sizeof(T));
+  constexpr int kStride = kVec ? 1 : kSumsqThreads;
+  constexpr int kStep = kSumsqThreads * N;
+  const int k = a.tab.k;
+  const float alpha0 = a.tab.alpha[0];
+  const T* g0 = grad_row<T>(a.tab, s, 0, offset);
+  const float* shift = kShift ? a.shift[s] + start : nullptr;
+  const float* scale = kScale ? a.scale[s] + start : nullptr;
+  const int first = kVec ? static_cast<int>(threadIdx.x) * N : static_cast<int>(threadIdx.x);
+  double acc = 0.0;
+  // Block-uniform trip count: a short last chunk stops after the steps it needs.
+  for (int base = first; base - first < len; base += kSumsqUnroll * kStep) {
+    float v[kSumsqUnroll][N];
+#pragma unroll
+    for (int u = 0; u < kSumsqUnroll; ++u) {
+      load_elems<N, kVec, kStride>(g0, base + u * kStep, len, v[u]);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[u][e] *= alpha0;
+    }
+    for (int j = 1; j < k; ++j) {
+      const T* gj = grad_row<T>(a.tab, s, j, offset);
+      const float aj = a.tab.alpha[j];
+#pragma unroll
+      for (int u = 0; u < kSumsqUnroll; ++u) {
+        float x[N];
+        load_elems<N, kVec, kStride>(gj, base + u * kStep, len, x);
+#pragma unroll
+        for (int e = 0; e < N; ++e) v[u][e] = fmaf(aj, x[e], v[u][e]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSumsqUnroll; ++u) {
+      const int c = base + u * kStep;
+      float sh[N], sc[N];
+      if constexpr (kShift) load_elems<N, kVec, kStride>(shift, c, len, sh);
+      if constexpr (kScale) load_elems<N, kVec, kStride>(scale, c, len, sc);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        // Out-of-range lanes hold 0, but (0 - shift) * scale need not be 0.
+        if (in_range<kVec, kStride>(c, e, len)) {
+          const double y = shift_scale<kShift, kScale>(v[u][e], kShift ? sh[e] : 0.f, kScale ? sc[e] : 1.f);
+          acc = fma(y, y, acc);
+        }
+      }
+    }
+  }
+  return acc;
+}
+
+// partial[i, chunk_base + b] = Σ_{e in chunk b} shift_scale(Σ_j α_j g_j[i, e], shift[e], scale[e])²
+// for block b, in fp64. Grid (chunks, min(B, 65535)); blockIdx.y strides over the samples.
+template <typename T, bool kShift, bool kScale>
+__global__ void __launch_bounds__(kSumsqThreads)
+    per_sample_sumsq_kernel(const __grid_constant__ SumsqArgs a, int64_t B, int64_t num_chunks,
+                            double* __restrict__ partial) {
+  constexpr int64_t kChunk = sumsq_chunk(sizeof(T));
+  __shared__ double warp_sums[kSumsqThreads / kWarp];
+  const int s = a.tab.block_slot[blockIdx.x];
+  const int64_t n = a.tab.numel[s];
+  const int64_t start =
+      int64_t{a.tab.first_chunk[s] + static_cast<int32_t>(blockIdx.x) - a.tab.first_block[s]} * kChunk;
+  const int len = static_cast<int>(std::min(kChunk, n - start));
+  const bool vec = a.tab.vec_ok[s] != 0;
+  double* out = partial + a.chunk_base + blockIdx.x;
+  for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
+    const int64_t offset = i * n + start;
+    const double mine = vec ? sumsq_thread<T, kShift, kScale, true>(a, s, offset, start, len)
+                            : sumsq_thread<T, kShift, kScale, false>(a, s, offset, start, len);
+    const double total = block_sum<kSumsqThreads>(mine, warp_sums);
+    if (threadIdx.x == 0) out[i * num_chunks] = total;
+  }
+}
+
+// out[i, l] = Σ_{c < len} partial[i, begin + c] for l = first_param + e: one warp per (i, e), lanes
+// striding over the chunks, then a fixed shuffle tree.
+__global__ void __launch_bounds__(kReduceThreads)
+    sumsq_reduce_kernel(const __grid_constant__ RangeArgs a, int64_t B, int64_t L, int64_t num_chunks,
+                        const double* __restrict__ partial, double* __restrict__ out) {
+  const int64_t w = (int64_t{blockIdx.x} * kReduceThreads + threadIdx.x) / kWarp;
+  if (w >= B * a.count) return;  // whole warps leave, so the shuffles below see full warps
+  const int lane = threadIdx.x % kWarp;
+  const int64_t i = w / a.count;
+  const int e = static_cast<int>(w - i * a.count);
+  const double* p = partial + i * num_chunks + a.begin[e];
+  double acc = 0.0;
+  for (int c = lane; c < a.len[e]; c += kWarp) acc += p[c];
+  acc = warp_sum(acc);
+  if (lane == 0) out[i * L + a.first_param + e] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// weighted_sum
+// ---------------------------------------------------------------------------------------------
+
+// Compacts the samples i0 .. i0 + kThreads - 1 whose weight in column l is nonzero into
+// (row[m], w[m]), m < returned count, in sample order. Skipping a zero weight instead of multiplying
+// by it keeps a dropped non-finite sample out of the sum; a NaN weight is kept, as in the reference.
+// The next call may come right after the caller's last read of row/w: its first barrier waits for
+// every thread, and nothing before that barrier writes row or w.
+template <int kThreads>
+__device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights, int64_t L, int l, int64_t i0,
+                                               int64_t B, int* row, float* w, int* warp_counts) {
+  constexpr int kWarps = kThreads / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t i = i0 + threadIdx.x;
+  const float wi = i < B ? weights[i * L + l] : 0.f;
+  const bool keep = wi != 0.f;
+  const unsigned ballot = __ballot_sync(kFullMask, keep);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, total = 0;
+#pragma unroll
+  for (int q = 0; q < kWarps; ++q) {
+    const int c = warp_counts[q];
+    before += q < warp ? c : 0;
+    total += c;
+  }
+  if (keep) {
+    const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+    row[pos] = static_cast<int>(threadIdx.x);
+    w[pos] = wi;
+  }
+  __syncthreads();
+  return total;
+}
+
+// acc += Σ_u w[m + u] Σ_j α_j g_j[i0 + row[m + u], start + this thread's offsets], samples in order.
+// U rows are loaded before any is used, so U * 16 bytes per thread are in flight.
+template <typename T, bool kVec, int U>
+__device__ __forceinline__ void wsum_rows(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
+                                          int len, int64_t i0, const int* row, const float* w, int m,
+                                          float (&acc)[ilp(sizeof(T))]) {
+  constexpr int N = ilp(sizeof(T));
+  constexpr int kStride = kVec ? 1 : kWsumThreads;
+  int64_t off[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) off[u] = (i0 + row[m + u]) * n + start;
+  float v[U][N];
+  const float alpha0 = tab.alpha[0];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    load_elems<N, kVec, kStride>(grad_row<T>(tab, s, 0, off[u]), col, len, v[u]);
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[u][e] *= alpha0;
+  }
+  for (int j = 1; j < tab.k; ++j) {
+    const float aj = tab.alpha[j];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float x[N];
+      load_elems<N, kVec, kStride>(grad_row<T>(tab, s, j, off[u]), col, len, x);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[u][e] = fmaf(aj, x[e], v[u][e]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float wu = w[m + u];
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[e] = fmaf(wu, v[u][e], acc[e]);
+  }
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
+                                          int len, int64_t i0, const int* row, const float* w, int count,
+                                          float (&acc)[ilp(sizeof(T))]) {
+  constexpr int U = kWsumRowBytes / 16;
+  int m = 0;
+  for (; m + U <= count; m += U) wsum_rows<T, kVec, U>(tab, s, n, start, col, len, i0, row, w, m, acc);
+  for (; m < count; ++m) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, acc);
+}
+
+// S_l[c] = Σ_{i : w[i, l] != 0} w[i, l] Σ_j α_j g_j[i, c] for the columns c of chunk b, accumulated
+// in fp32 in sample order and written once. Grid (chunks).
+template <typename T>
+__global__ void __launch_bounds__(kWsumThreads)
+    weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
+                        int64_t L) {
+  constexpr int N = ilp(sizeof(T));
+  constexpr int64_t kChunk = wsum_chunk(sizeof(T));
+  __shared__ int row[kWsumThreads];
+  __shared__ float w[kWsumThreads];
+  __shared__ int warp_counts[kWsumThreads / kWarp];
+  const int s = a.tab.block_slot[blockIdx.x];
+  const int64_t n = a.tab.numel[s];
+  const int l = a.tab.param[s];
+  const bool vec = a.tab.vec_ok[s] != 0;
+  const int64_t start =
+      int64_t{a.tab.first_chunk[s] + static_cast<int32_t>(blockIdx.x) - a.tab.first_block[s]} * kChunk;
+  const int len = static_cast<int>(std::min(kChunk, n - start));
+  // Offsets in the chunk: col .. col + N - 1 on the vector path, else col, col + kWsumThreads, ...
+  const int col = vec ? static_cast<int>(threadIdx.x) * N : static_cast<int>(threadIdx.x);
+  float acc[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) acc[e] = 0.f;
+  for (int64_t i0 = 0; i0 < B; i0 += kWsumThreads) {
+    // Every thread takes part in the compaction, even one whose columns are all past the end.
+    const int count = compact_nonzero<kWsumThreads>(weights, L, l, i0, B, row, w, warp_counts);
+    if (col < len) {
+      if (vec) {
+        wsum_tile<T, true>(a.tab, s, n, start, col, len, i0, row, w, count, acc);
+      } else {
+        wsum_tile<T, false>(a.tab, s, n, start, col, len, i0, row, w, count, acc);
+      }
+    }
+  }
+  float* out = a.out[s] + start;
+  if (vec) {
+    if (col < len) {
+#pragma unroll
+      for (int q = 0; q < N / 4; ++q) {
+        *reinterpret_cast<float4*>(out + col + 4 * q) =
+            make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (col + e * kWsumThreads < len) out[col + e * kWsumThreads] = acc[e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// clip_factors
+// ---------------------------------------------------------------------------------------------
+
+// out[i, c] = clip_weight(mode, norms[i, c], bound[c - first], r) over rows i and the columns
+// first .. first + count - 1 of a row-major [rows, L] tensor.
+template <typename T>
+__global__ void __launch_bounds__(kClipThreads)
+    clip_factors_kernel(const __grid_constant__ BoundArgs a, const T* __restrict__ norms, T* __restrict__ out,
+                        int64_t rows, int64_t L, ClipMode mode, T r) {
+  const int64_t total = rows * a.count;
+  for (int64_t e = int64_t{blockIdx.x} * kClipThreads + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * kClipThreads) {
+    const int64_t i = e / a.count;
+    const int c = static_cast<int>(e - i * a.count);
+    const int64_t idx = i * L + a.first + c;
+    out[idx] = clip_weight<T>(mode, norms[idx], static_cast<T>(a.bound[c]), r);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------
+
+// The storage dtypes in the order their launches go out. The chunk numbering of per_sample_sumsq
+// follows this order, so it is fixed for a given list of shapes and dtypes.
+constexpr std::array<at::ScalarType, 3> kGradTypes = {at::kFloat, at::kHalf, at::kBFloat16};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// check_clip_inputs checks the device type only; one kernel reads all tensors, so they must share
+// one device.
+void check_one_device(at::TensorList grads, at::TensorList shift, at::TensorList scale) {
+  const c10::Device dev = grads[0].device();
+  for (size_t t = 0; t < grads.size(); ++t) {
+    DPK_CHECK(grads[t].device() == dev, "grads[", t, "] is on ", grads[t].device(), " but grads[0] is on ", dev);
+  }
+  for (size_t t = 0; t < shift.size(); ++t) {
+    DPK_CHECK(shift[t].device() == dev, "shift[", t, "] is on ", shift[t].device(), ", expected ", dev);
+  }
+  for (size_t t = 0; t < scale.size(); ++t) {
+    DPK_CHECK(scale[t].device() == dev, "scale[", t, "] is on ", scale[t].device(), ", expected ", dev);
+  }
+}
+
+void check_num_sets(int64_t k) {
+  DPK_CHECK(k <= kMaxSets, "the cuda kernels combine at most ", kMaxSets, " gradient sets, got ", k);
+}
+
+// Parameter indices of each entry of kGradTypes, in parameter order.
+std::array<std::vector<int64_t>, kGradTypes.size()> group_by_dtype(at::TensorList grads, int64_t L) {
+  std::array<std::vector<int64_t>, kGradTypes.size()> groups;
+  for (int64_t l = 0; l < L; ++l) {
+    const auto it = std::find(kGradTypes.begin(), kGradTypes.end(), grads[l].scalar_type());
+    TORCH_INTERNAL_ASSERT(it != kGradTypes.end());  // check_clip_inputs admits these three only
+    groups[it - kGradTypes.begin()].push_back(l);
+  }
+  return groups;
+}
+
+// Whether all k gradient tensors of parameter l can take the 128-bit path.
+bool grads_vec_ok(at::TensorList grads, const ClipLayout& lay, int64_t l) {
+  if (lay.numel[l] % ilp(grads[l].element_size()) != 0) return false;
+  for (int64_t j = 0; j < lay.k; ++j) {
+    if (!aligned16(grads[j * lay.L + l].const_data_ptr())) return false;
+  }
+  return true;
+}
+
+// Packs the chunks of params (one dtype, in order) into argument tables like ATen's
+// multi_tensor_apply: fill(args, slot, l) sets what is specific to the op, launch(args, num_blocks)
+// runs whenever a table is full and once at the end.
+template <typename Args, typename Fill, typename Launch>
+void for_each_launch(Args& args, const ClipLayout& lay, const std::vector<int64_t>& params, int64_t chunk,
+                     const Fill& fill, const Launch& launch) {
+  SlotTable& tab = args.tab;
+  const int max_slots = static_cast<int>(std::min<int64_t>(kMaxSlots, kMaxPtrs / lay.k));
+  int slots = 0, blocks = 0;
+  const auto flush = [&] {
+    if (blocks > 0) launch(args, blocks);
+    slots = 0;
+    blocks = 0;
+  };
+  for (const int64_t l : params) {
+    const int64_t chunks = ceil_div(lay.numel[l], chunk);
+    for (int64_t c = 0; c < chunks;) {
+      if (slots == max_slots) flush();
+      const int take = static_cast<int>(std::min<int64_t>(chunks - c, kMaxBlocks - blocks));
+      fill(args, slots, l);
+      tab.numel[slots] = lay.numel[l];
+      tab.param[slots] = static_cast<int32_t>(l);
+      tab.first_block[slots] = blocks;
+      tab.first_chunk[slots] = static_cast<int32_t>(c);
+      std::fill(tab.block_slot + blocks, tab.block_slot + blocks + take, static_cast<uint16_t>(slots));
+      blocks += take;
+      c += take;
+      ++slots;
+      if (blocks == kMaxBlocks) flush();
+    }
+  }
+  flush();
+}
+
+void set_coeffs(SlotTable& tab, at::ArrayRef<double> coeffs) {
+  tab.k = static_cast<int32_t>(coeffs.size());
+  for (size_t j = 0; j < coeffs.size(); ++j) tab.alpha[j] = static_cast<float>(coeffs[j]);
+}
+
+template <typename F>
+void dispatch_shift_scale(bool has_shift, bool has_scale, const F& f) {
+  using Y = std::true_type;
+  using N = std::false_type;
+  if (has_shift) {
+    has_scale ? f(Y{}, Y{}) : f(Y{}, N{});
+  } else {
+    has_scale ? f(N{}, Y{}) : f(N{}, N{});
+  }
+}
+
+at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                                 at::TensorList scale) {
+  const ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CUDA);
+  check_one_device(grads, shift, scale);
+  check_num_sets(lay.k);
+  const c10::cuda::CUDAGuard guard(grads[0].device());
+  const auto opts = grads[0].options().dtype(at::kDouble);
+  const auto groups = group_by_dtype(grads, lay.L);
+
+  // Global chunk numbering: dtype groups in kGradTypes order, parameters in order within a group,
+  // chunks in order within a parameter; for_each_launch emits them in exactly this order.
+  std::vector<int64_t> chunk_begin(lay.L), chunk_len(lay.L);
+  int64_t num_chunks = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t chunk = sumsq_chunk(c10::elementSize(kGradTypes[g]));
+    for (const int64_t l : groups[g]) {
+      chunk_begin[l] = num_chunks;
+      chunk_len[l] = ceil_div(lay.numel[l], chunk);
+      num_chunks += chunk_len[l];
+    }
+  }
+  if (lay.B == 0 || num_chunks == 0) return at::zeros({lay.B, lay.L}, opts);
+  DPK_CHECK(num_chunks <= std::numeric_limits<int32_t>::max(), "too many elements per sample: ", num_chunks,
+            " chunks");
+
+  auto partial = at::empty({lay.B, num_chunks}, opts);
+  auto out = at::empty({lay.B, lay.L}, opts);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool has_shift = !shift.empty(), has_scale = !scale.empty();
+  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(lay.B, 65535));
+
+  SumsqArgs args{};
+  set_coeffs(args.tab, coeffs);
+  int64_t launched = 0;  // chunks covered by the launches so far
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].empty()) continue;
+    DPK_DISPATCH_GRAD_TYPES(kGradTypes[g], "per_sample_sumsq", [&] {
+      dispatch_shift_scale(has_shift, has_scale, [&](auto shift_tag, auto scale_tag) {
+        constexpr bool kShift = decltype(shift_tag)::value, kScale = decltype(scale_tag)::value;
+        const auto fill = [&](SumsqArgs& a, int slot, int64_t l) {
+          bool ok = grads_vec_ok(grads, lay, l);
+          for (int64_t j = 0; j < lay.k; ++j) a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
+          a.shift[slot] = kShift ? shift[l].const_data_ptr<float>() : nullptr;
+          a.scale[slot] = kScale ? scale[l].const_data_ptr<float>() : nullptr;
+          ok = ok && (!kShift || aligned16(a.shift[slot])) && (!kScale || aligned16(a.scale[slot]));
+          a.tab.vec_ok[slot] = ok;
+        };
+        const auto launch = [&](SumsqArgs& a, int blocks) {
+          a.chunk_base = launched;
+          per_sample_sumsq_kernel<scalar_t, kShift, kScale>
+              <<<dim3(blocks, grid_y), kSumsqThreads, 0, stream>>>(a, lay.B, num_chunks, partial.data_ptr<double>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          launched += blocks;
+        };
+        for_each_launch(args, lay, groups[g], sumsq_chunk(sizeof(scalar_t)), fill, launch);
+      });
+    });
+  }
+  TORCH_INTERNAL_ASSERT(launched == num_chunks);
+
+  // Every (i, l) is written, including parameters with no elements (an empty range sums to 0).
+  RangeArgs ranges{};
+  for (int64_t l0 = 0; l0 < lay.L; l0 += kMaxRanges) {
+    ranges.first_param = static_cast<int32_t>(l0);
+    ranges.count = static_cast<int32_t>(std::min<int64_t>(kMaxRanges, lay.L - l0));
+    for (int e = 0; e < ranges.count; ++e) {
+      ranges.begin[e] = static_cast<int32_t>(chunk_begin[l0 + e]);
+      ranges.len[e] = static_cast<int32_t>(chunk_len[l0 + e]);
+    }
+    const int64_t blocks = ceil_div(lay.B * ranges.count * kWarp, kReduceThreads);
+    sumsq_reduce_kernel<<<static_cast<unsigned>(blocks), kReduceThreads, 0, stream>>>(
+        ranges, lay.B, lay.L, num_chunks, partial.const_data_ptr<double>(), out.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm, c10::string_view mode,
+                             double r) {
+  DPK_CHECK(norms.is_cuda(), "norms must be a CUDA tensor for the cuda kernel, got ", norms.device());
+  const std::vector<double> C = clip_bounds(max_grad_norm, norms);
+  const ClipMode m = parse_clip_mode(mode);
+  auto out = at::empty_like(norms);
+  if (norms.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(norms.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t L = static_cast<int64_t>(C.size());
+  const bool uniform = std::all_of(C.begin(), C.end(), [&](double c) { return c == C[0]; });
+  AT_DISPATCH_FLOATING_TYPES(norms.scalar_type(), "clip_factors", [&] {
+    const auto launch = [&](const BoundArgs& a, int64_t rows, int64_t cols) {
+      const int64_t blocks = std::min<int64_t>(ceil_div(rows * a.count, kClipThreads), 65535);
+      clip_factors_kernel<scalar_t><<<static_cast<unsigned>(blocks), kClipThreads, 0, stream>>>(
+          a, norms.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, cols, m, static_cast<scalar_t>(r));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    BoundArgs a{};
+    if (uniform) {
+      // One bound for every column: the tensor is a single [numel, 1] column.
+      a.bound[0] = C[0];
+      a.first = 0;
+      a.count = 1;
+      launch(a, norms.numel(), 1);
+      return;
+    }
+    for (int64_t l0 = 0; l0 < L; l0 += kMaxRanges) {
+      a.first = static_cast<int32_t>(l0);
+      a.count = static_cast<int32_t>(std::min<int64_t>(kMaxRanges, L - l0));
+      std::copy(C.begin() + l0, C.begin() + l0 + a.count, a.bound);
+      launch(a, norms.size(0), L);
+    }
+  });
+  return out;
+}
+
+std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                          const at::Tensor& weights) {
+  const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
+  check_one_device(grads, {}, {});
+  check_num_sets(lay.k);
+  DPK_CHECK(weights.device() == grads[0].device() && weights.scalar_type() == at::kFloat &&
+                weights.is_contiguous() && weights.dim() == 2 && weights.size(0) == lay.B &&
+                weights.size(1) == lay.L,
+            "weights must be a contiguous float32 tensor [B=", lay.B, ", L=", lay.L, "] on ", grads[0].device(),
+            ", got ", weights.sizes(), " ", weights.scalar_type(), " on ", weights.device());
+  const c10::cuda::CUDAGuard guard(grads[0].device());
+  const auto opts = grads[0].options().dtype(at::kFloat);
+  std::vector<at::Tensor> out;
+  out.reserve(lay.L);
+  for (int64_t l = 0; l < lay.L; ++l) {
+    const auto shape = grads[l].sizes().slice(1);
+    // An empty batch sums to zero; otherwise the kernel writes every element.
+    out.push_back(lay.B == 0 ? at::zeros(shape, opts) : at::empty(shape, opts));
+  }
+  if (lay.B == 0) return out;
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto groups = group_by_dtype(grads, lay.L);
+  WsumArgs args{};
+  set_coeffs(args.tab, coeffs);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].empty()) continue;
+    DPK_DISPATCH_GRAD_TYPES(kGradTypes[g], "weighted_sum", [&] {
+      const auto fill = [&](WsumArgs& a, int slot, int64_t l) {
+        for (int64_t j = 0; j < lay.k; ++j) a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
+        a.out[slot] = out[l].data_ptr<float>();
+        a.tab.vec_ok[slot] = grads_vec_ok(grads, lay, l) && aligned16(a.out[slot]);
+      };
+      const auto launch = [&](const WsumArgs& a, int blocks) {
+        weighted_sum_kernel<scalar_t>
+            <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      for_each_launch(args, lay, groups[g], wsum_chunk(sizeof(scalar_t)), fill, launch);
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
+  m.impl("per_sample_sumsq", &per_sample_sumsq_cuda);
+  m.impl("clip_factors", &clip_factors_cuda);
+  m.impl("weighted_sum", &weighted_sum_cuda);
+}
+
+}  // namespace dpkernels

@@ -1,0 +1,351 @@
+"""Per-sample clipping ops on every backend, against the float64 reference.
+
+Tolerances: kernels upcast every storage dtype exactly to fp32 and accumulate squares in fp64,
+so the error does not depend on the input dtype. Norms are exact to a few fp32 roundings; a sum
+of ``m = B·k`` weighted terms accumulated in fp32 is bounded by ``(m + 4)·2⁻²⁴·Σ|c_i α_j g|``
+(sequential summation), which is the bound checked below, elementwise.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dpkernels
+from dpkernels.reference import clip as ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# input dtype -> (norm rtol, sum error in units of 2^-24 * Σ|terms|, plus the term count)
+TOLERANCES = {
+    torch.float32: (2e-6, 4),
+    torch.bfloat16: (2e-6, 4),
+    torch.float16: (2e-6, 4),
+}
+
+SHAPE_LISTS = {
+    "one-odd": [(37,)],
+    "mixed": [(7,), (33, 5), (1000,), (4097,), (3, 3, 3), (1,)],
+    "many": [(i % 7 + 1, 2 * i + 1) for i in range(53)],
+}
+
+
+def make_grads(shapes, B, dtype, device="cpu", scales=None):
+    """Random per-sample gradients; ``scales[i]`` multiplies sample i (huge/tiny norms)."""
+    out = []
+    for s in shapes:
+        g = torch.randn(B, *s, dtype=torch.float64)
+        if scales is not None:
+            g = g * torch.as_tensor(scales, dtype=torch.float64).view(-1, *[1] * len(s))
+        out.append(g.to(dtype).to(device))
+    return out
+
+
+def to64(xs):
+    return [x.detach().cpu().double() for x in xs]
+
+
+def assert_sums_close(sums, grad_sets, coeffs, weights, dtype):
+    """Elementwise check against the fp64 reference with the summation bound above."""
+    sets64 = [to64(gs) for gs in grad_sets]
+    w64 = weights.detach().cpu().double()
+    want = ref.weighted_sum(sets64, w64, coeffs)
+    abs_sets = [[g.abs() for g in gs] for gs in sets64]
+    scale = ref.weighted_sum(abs_sets, w64.abs(), [abs(a) for a in coeffs])
+    terms = w64.shape[0] * len(coeffs)
+    ulps = TOLERANCES[dtype][1]
+    for idx, (got, exp, sc) in enumerate(zip(sums, want, scale, strict=True)):
+        assert got.dtype == torch.float32
+        assert got.shape == exp.shape, (idx, got.shape, exp.shape)
+        assert torch.isfinite(got).all(), f"tensor {idx}: non-finite output (unwritten element?)"
+        err = (got.cpu().double() - exp).abs()
+        bound = (terms + ulps) * 2.0**-24 * sc + 1e-30
+        worst = (err / bound).max().item() if err.numel() else 0.0
+        assert worst <= 1.0, f"tensor {idx}: error {err.max().item():.3e} exceeds bound by {worst:.2f}x"
+
+
+def assert_norms_close(got, want, dtype):
+    rtol = TOLERANCES[dtype][0]
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=1e-30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement with the reference
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # (shape list, B, options)
+    ("one-odd", 1, {}),
+    ("mixed", 7, {}),
+    ("mixed", 5, {"per_layer": True}),
+    ("mixed", 4, {"mode": "psac", "r": 0.1}),
+    ("mixed", 3, {"mode": "auto_s", "r": 0.01}),
+    ("mixed", 3, {"mode": "auto_v"}),
+    ("mixed", 6, {"shift": True, "scale": True}),
+    ("mixed", 5, {"scale": True, "per_layer": True}),
+    ("mixed", 4, {"coeffs": [0.75, -0.25]}),
+    ("mixed", 3, {"coeffs": [0.5, 0.3, 0.2], "shift": True}),
+    ("many", 3, {}),
+    ("many", 2, {"per_layer": True, "mode": "psac", "r": 0.1}),
+]
+
+
+def _build_case(shapes_name, B, opts, dtype, device):
+    shapes = SHAPE_LISTS[shapes_name]
+    opts = dict(opts)
+    coeffs = opts.pop("coeffs", None)
+    k = 1 if coeffs is None else len(coeffs)
+    sets = [make_grads(shapes, B, dtype, device) for _ in range(k)]
+    kw = dict(opts)
+    if opts.get("shift"):
+        kw["shift"] = [torch.randn(s, device=device) for s in shapes]
+    if opts.get("scale"):
+        kw["scale"] = [torch.rand(s, device=device) + 0.5 for s in shapes]
+    grad_samples = sets[0] if coeffs is None else sets
+    return sets, grad_samples, coeffs or [1.0], kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes_name,B,opts", CASES, ids=[f"{c[0]}-B{c[1]}-{'-'.join(c[2]) or 'flat'}" for c in CASES])
+def test_clip_and_accumulate_matches_reference(backend_device, dtype, shapes_name, B, opts):
+    backend, device = backend_device
+    sets, grad_samples, coeffs, kw = _build_case(shapes_name, B, opts, dtype, device)
+    C = 0.7
+    sums, norms = dpkernels.clip_and_accumulate(
+        grad_samples, C, coeffs=None if len(coeffs) == 1 else coeffs, backend=backend, **kw
+    )
+    vec64 = {k: to64(v) for k, v in kw.items() if k in ("shift", "scale")}
+    want_norms = ref.per_sample_norms([to64(gs) for gs in sets], coeffs, per_layer=kw.get("per_layer", False), **vec64)
+    assert_norms_close(norms, want_norms, dtype)
+    mode, r = kw.get("mode", "clip"), kw.get("r", 0.0)
+    weights = ref.clip_factors(want_norms, C, mode, r)
+    if weights.dim() == 1:
+        weights = weights[:, None].expand(-1, len(sets[0]))
+    assert_sums_close(sums, sets, coeffs, weights, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_sample_norms_and_weighted_sum(backend_device, dtype):
+    backend, device = backend_device
+    shapes = SHAPE_LISTS["mixed"]
+    g = make_grads(shapes, 9, dtype, device)
+    norms = dpkernels.per_sample_norms(g, backend=backend)
+    assert_norms_close(norms, ref.per_sample_norms([to64(g)]), dtype)
+    layer_norms = dpkernels.per_sample_norms(g, per_layer=True, backend=backend)
+    assert_norms_close(layer_norms, ref.per_sample_norms([to64(g)], per_layer=True), dtype)
+    w = torch.randn(9, device=device)
+    w[3] = 0.0
+    assert_sums_close(dpkernels.weighted_sum(g, w, backend=backend), [g], [1.0], w[:, None].expand(-1, len(g)), dtype)
+    w2 = torch.randn(9, len(shapes), device=device)
+    assert_sums_close(dpkernels.weighted_sum(g, w2, backend=backend), [g], [1.0], w2, dtype)
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("mode,r", [("clip", None), ("auto_s", 0.05), ("auto_v", None), ("psac", 0.1), ("psac", 1.0)])
+def test_clip_factors_matches_reference(backend_device, mode, r, norm_dtype):
+    backend, device = backend_device
+    n = torch.cat([torch.tensor([0.0, 1e-30, 1e-12, 1e-7, 1.0, 1e30]), torch.rand(37) * 10]).to(norm_dtype)
+    got = dpkernels.clip_factors(n.to(device), 1.3, mode=mode, r=r, backend=backend)
+    want = ref.clip_factors(n.double(), 1.3, mode, r or 0.0)
+    assert got.dtype == norm_dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-7 if norm_dtype == torch.float32 else 1e-15, atol=0)
+    per_layer = n.view(-1, 1).expand(-1, 3).contiguous()
+    got2 = dpkernels.clip_factors(per_layer.to(device), [1.0, 2.0, 3.0], mode=mode, r=r, backend=backend)
+    want2 = ref.clip_factors(per_layer.double(), [1.0, 2.0, 3.0], mode, r or 0.0)
+    torch.testing.assert_close(got2.cpu().double(), want2, rtol=2e-7 if norm_dtype == torch.float32 else 1e-15, atol=0)
+
+
+# DP-PSAC worked values (reference/seeds_pmlf_psac.md §B.3): weight per unit C.
+PSAC_TABLE = [
+    # n, psac w r=0.1, auto_s w r=0.1, psac w r=0.01, auto_s w r=0.01
+    (0.0, 1.000000, 10.000000, 1.000000, 100.000000),
+    (0.001, 1.008981, 9.900990, 1.098791, 90.909091),
+    (0.01, 1.088032, 9.090909, 1.960784, 50.000000),
+    (0.1, 1.666667, 5.000000, 5.238095, 9.090909),
+    (0.5, 1.500000, 1.666667, 1.924528, 1.960784),
+    (1.0, 0.916667, 0.909091, 0.990196, 0.990099),
+    (10.0, 0.099901, 0.099010, 0.099990, 0.099900),
+    (100.0, 0.010000, 0.009990, 0.010000, 0.009999),
+]
+
+
+def test_psac_worked_values(backend_device):
+    backend, device = backend_device
+    n = torch.tensor([row[0] for row in PSAC_TABLE], device=device)
+    for col, (mode, r) in enumerate([("psac", 0.1), ("auto_s", 0.1), ("psac", 0.01), ("auto_s", 0.01)], start=1):
+        want = torch.tensor([row[col] for row in PSAC_TABLE])
+        got = dpkernels.clip_factors(n, 1.0, mode=mode, r=r, backend=backend).cpu()
+        torch.testing.assert_close(got, want, rtol=0, atol=6e-7, msg=f"{mode} r={r}")
+    # Peak of the PSAC weight at n = sqrt(r) - r is 1 / (2 sqrt(r) - r).
+    for r in (0.1, 0.01):
+        peak = torch.tensor([math.sqrt(r) - r], device=device)
+        w = dpkernels.clip_factors(peak, 1.0, mode="psac", r=r, backend=backend).item()
+        assert w == pytest.approx(1 / (2 * math.sqrt(r) - r), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge values: huge and tiny norms, zero rows, B = 0, non-finite samples, non-contiguous input
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_huge_tiny_and_zero_rows(backend_device, dtype):
+    backend, device = backend_device
+    big = 1e30 if dtype != torch.float16 else 1e3
+    tiny = 1e-30 if dtype != torch.float16 else 1e-3
+    scales = [big, tiny, 0.0, 1.0, 1e-6 if dtype != torch.float16 else 1e-2, 0.0]
+    g = make_grads(SHAPE_LISTS["mixed"], len(scales), dtype, device, scales=scales)
+    for mode in ("clip", "auto_s", "auto_v", "psac"):
+        sums, norms = dpkernels.clip_and_accumulate(g, 1.0, mode=mode, backend=backend)
+        want_norms = ref.per_sample_norms([to64(g)])
+        assert_norms_close(norms, want_norms, dtype)
+        assert norms[2].item() == 0.0 and norms[5].item() == 0.0
+        weights = ref.clip_factors(want_norms, 1.0, mode, dict(auto_s=0.01, psac=0.1).get(mode, 0.0))
+        assert_sums_close(sums, [g], [1.0], weights[:, None].expand(-1, len(g)), dtype)
+
+
+def test_batch_of_zero_samples(backend_device):
+    backend, device = backend_device
+    g = [torch.empty(0, *s, device=device) for s in SHAPE_LISTS["mixed"]]
+    sums, norms = dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    assert norms.shape == (0,)
+    for s, shape in zip(sums, SHAPE_LISTS["mixed"], strict=True):
+        assert s.shape == shape and s.dtype == torch.float32 and (s == 0).all()
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_raise_and_drop(backend_device, bad_value):
+    backend, device = backend_device
+    g = make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device)
+    g[1][4, 0] = bad_value
+    g[3][2, 17] = bad_value
+    with pytest.raises(ValueError, match=r"non-finite per-sample gradient for 2 sample\(s\) at batch indices \[2, 4\]"):
+        dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    for per_layer in (False, True):
+        sums, norms = dpkernels.clip_and_accumulate(g, 1.0, nonfinite="drop", per_layer=per_layer, backend=backend)
+        keep = [0, 1, 3, 5]
+        kept = [x[keep] for x in g]
+        want_norms = ref.per_sample_norms([to64(kept)], per_layer=per_layer)
+        C = 1.0
+        w = ref.clip_factors(want_norms, C)
+        w = w[:, None].expand(-1, len(g)) if w.dim() == 1 else w
+        assert_sums_close(sums, [kept], [1.0], w, torch.float32)
+        assert torch.isfinite(norms[keep]).all() and not torch.isfinite(norms[[2, 4]].reshape(2, -1).sum(1)).any()
+
+
+def test_noncontiguous_inputs(backend_device):
+    backend, device = backend_device
+    base = [torch.randn(5, 9, 4, device=device), torch.randn(11, 5, device=device)]
+    g = [base[0].transpose(1, 2), base[1].t()]  # [5, 4, 9] and [5, 11], both non-contiguous
+    assert not any(x.is_contiguous() for x in g)
+    sums, norms = dpkernels.clip_and_accumulate(g, 0.5, backend=backend)
+    sums_c, norms_c = dpkernels.clip_and_accumulate([x.contiguous() for x in g], 0.5, backend=backend)
+    torch.testing.assert_close(norms, norms_c, rtol=0, atol=0)
+    for a, b in zip(sums, sums_c, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mixed_dtypes_in_one_list(backend_device):
+    backend, device = backend_device
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
+    g = [torch.randn(4, 2 * i + 3, device=device).to(dt) for i, dt in enumerate(dtypes)]
+    sums, norms = dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    want_norms = ref.per_sample_norms([to64(g)])
+    assert_norms_close(norms, want_norms, torch.float32)
+    w = ref.clip_factors(want_norms, 1.0)
+    assert_sums_close(sums, [g], [1.0], w[:, None].expand(-1, len(g)), torch.float32)
+
+
+def test_deterministic(backend_device):
+    backend, device = backend_device
+    g = make_grads(SHAPE_LISTS["mixed"], 7, torch.float32, device)
+    a = dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    b = dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    assert torch.equal(a[1], b[1]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+
+
+def test_cpu_result_independent_of_thread_count():
+    if "cpu" not in dpkernels.available_backends("cpu"):
+        pytest.skip("cpu backend not built")
+    g = make_grads([(70_000,), (300, 301), (5,)], 9, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dpkernels.clip_and_accumulate(g, 1.0, backend="cpu")
+        torch.set_num_threads(max(2, threads))
+        many = dpkernels.clip_and_accumulate(g, 1.0, backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[1], many[1]) and all(torch.equal(x, y) for x, y in zip(one[0], many[0], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: every bad input is named, nothing is silently reinterpreted
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_args,exc,match",
+    [
+        (lambda: ([],), ValueError, "empty list"),
+        (lambda: (torch.randn(3, 4),), TypeError, "must be a list"),
+        (lambda: ([torch.randn(3, 4), torch.randn(4, 4)],), ValueError, "batch size 4 but grad_samples\\[0\\] has 3"),
+        (lambda: ([torch.randint(0, 3, (3, 4))],), TypeError, "dtype torch.int64"),
+        (lambda: ([torch.randn(3, 4), torch.randn(3, 4, device="meta")],), ValueError, "all tensors must share one device"),
+        (lambda: ([torch.randn(3, 4)], 0.0), ValueError, "max_grad_norm must be finite and > 0"),
+        (lambda: ([torch.randn(3, 4)], -1.0), ValueError, "max_grad_norm must be finite and > 0"),
+        (lambda: ([torch.randn(3, 4)], float("inf")), ValueError, "max_grad_norm must be finite and > 0"),
+        (lambda: ([torch.randn(3, 4)], [1.0]), ValueError, "needs per_layer=True"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"mode": "clamp"}), ValueError, "unknown clip mode 'clamp'"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"mode": "psac", "r": 0.0}), ValueError, "r must be a finite number > 0"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"mode": "auto_s", "r": -1}), ValueError, "r must be a finite number > 0"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"mode": "clip", "r": 0.1}), ValueError, "r is only used by"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"nonfinite": "skip"}), ValueError, "nonfinite must be"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"shift": [torch.randn(5)]}), ValueError, "shift\\[0\\] has shape"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"scale": [torch.randn(4)] * 2}), ValueError, "list of 1 tensors"),
+        (lambda: ([[torch.randn(3, 4)], [torch.randn(3, 4)]], 1.0), ValueError, "pass coeffs"),
+        (lambda: ([[torch.randn(3, 4)], [torch.randn(3, 4)]], 1.0, {"coeffs": [1.0]}), ValueError, "coeffs has 1"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"coeffs": [float("nan")]}), ValueError, "coeffs must be finite"),
+        (lambda: ([torch.randn(3, 4).double()], 1.0, {"backend": "cpu"}), TypeError, "float64 runs on backend='reference'"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"backend": "gpu"}), ValueError, "unknown backend 'gpu'"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"backend": "cuda"}), RuntimeError, "cuda backend runs on CUDA tensors"),
+        (lambda: ([torch.randn(3, 4)], 1.0, {"per_layer": True, "max_grad_norm": None}), TypeError, "max_grad_norm must be a float"),
+    ],
+)
+def test_bad_input_raises_clear_error(make_args, exc, match):
+    args = make_args()
+    kwargs = dict(args[2]) if len(args) > 2 else {}
+    max_grad_norm = kwargs.pop("max_grad_norm", args[1] if len(args) > 1 else 1.0)
+    with pytest.raises(exc, match=match):
+        dpkernels.clip_and_accumulate(args[0], max_grad_norm, **kwargs)
+
+
+def test_weighted_sum_and_clip_factors_errors():
+    g = [torch.randn(3, 4)]
+    with pytest.raises(ValueError, match="weights must have shape"):
+        dpkernels.weighted_sum(g, torch.ones(4))
+    with pytest.raises(TypeError, match="weights must be a floating-point"):
+        dpkernels.weighted_sum(g, torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="norms must be"):
+        dpkernels.clip_factors(torch.ones(2, 2, 2), 1.0)
+    with pytest.raises(ValueError, match="max_grad_norm has 2 entries for 3"):
+        dpkernels.clip_factors(torch.ones(4, 3), [1.0, 2.0])
+
+
+def test_native_ops_reject_bad_layouts():
+    if "cpu" not in dpkernels.available_backends("cpu"):
+        pytest.skip("cpu backend not built")
+    ops = torch.ops.dpkernels_C
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        ops.per_sample_sumsq([torch.randn(4, 3).t()], [1.0], [], [])
+    with pytest.raises(RuntimeError, match="weights must be a contiguous float32"):
+        ops.weighted_sum([torch.randn(3, 4)], [1.0], torch.ones(3))
+    with pytest.raises(RuntimeError, match="unknown clip mode"):
+        ops.clip_factors(torch.ones(3), [1.0], "nope", 0.0)
+
+
+def test_available_backends():
+    found = dpkernels.available_backends()
+    assert found[0] == "reference" and set(found) <= set(dpkernels.BACKENDS)
+    assert "cuda" not in dpkernels.available_backends("cpu")
