@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -13,8 +13,7 @@ BACKENDS = ("reference", "cpu", "cuda", "triton")
 _REBUILD = "reinstall with `make install` (or `pip install --no-build-isolation -e .`) on a machine with a C++ compiler"
 
 
-@functools.cache
-def _extension():
+def _load_extension():
     """The compiled extension, or None for a pure-Python install (``DPK_SKIP_EXT=1``)."""
     try:
         return importlib.import_module("dpkernels._C")
@@ -22,24 +21,26 @@ def _extension():
         return None
 
 
+# Probed once at import: what is installed does not change while the process runs, and plain
+# constants keep backend selection traceable by torch.compile.
+_EXTENSION = _load_extension()
+_HAS_CUDA_KERNELS = _EXTENSION is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "dpkernels_C::weighted_sum", "CUDA"
+)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def has_cpu_kernels() -> bool:
-    return _extension() is not None
+    return _EXTENSION is not None
 
 
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA part (whether or not a GPU is present)."""
-    return _extension() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "dpkernels_C::weighted_sum", "CUDA"
-    )
+    return _HAS_CUDA_KERNELS
 
 
-@functools.cache
 def has_triton() -> bool:
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return True
+    return _HAS_TRITON
 
 
 def triton_interpreting() -> bool:

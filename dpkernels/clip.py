@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,6 +56,21 @@ def _native_kernels():
             _flat(grad_sets), list(coeffs), weights
         ),
     )
+
+
+if _backend.has_cpu_kernels():
+
+    @torch.library.register_fake("dpkernels_C::per_sample_sumsq")
+    def _(grads, coeffs, shift, scale):
+        return grads[0].new_empty((grads[0].shape[0], len(grads) // len(coeffs)), dtype=torch.float64)
+
+    @torch.library.register_fake("dpkernels_C::clip_factors")
+    def _(norms, max_grad_norm, mode, r):
+        return torch.empty_like(norms)
+
+    @torch.library.register_fake("dpkernels_C::weighted_sum")
+    def _(grads, coeffs, weights):
+        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
 
 def _kernels(backend: str):
@@ -155,8 +171,16 @@ def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite,
 # --------------------------------------------------------------------------------------------
 
 
-class _Batch(SimpleNamespace):
+class _Batch(NamedTuple):
     """Validated inputs: ``grads`` flat (set-major, contiguous), ``k`` sets of ``L`` tensors."""
+
+    grads: list[Tensor]
+    k: int
+    L: int
+    B: int
+    device: torch.device
+    coeffs: list[float]
+    param_shapes: list[torch.Size]
 
 
 def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> _Batch:

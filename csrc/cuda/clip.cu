@@ -272,7 +272,7 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
 // partial[i, chunk_base + b] = Σ_{e in chunk b} shift_scale(Σ_j α_j g_j[i, e], shift[e], scale[e])²
 // for block b, in fp64. Grid (chunks, min(B, 65535)); blockIdx.y strides over the samples.
 template <typename T, bool kShift, bool kScale>
-__global__ void __launch_bounds__(kSumsqThreads)
+__global__ void __launch_bounds__(kSumsqThreads, 4)
     per_sample_sumsq_kernel(const __grid_constant__ SumsqArgs a, int64_t B, int64_t num_chunks,
                             double* __restrict__ partial) {
   constexpr int64_t kChunk = sumsq_chunk(sizeof(T));
@@ -396,7 +396,7 @@ __device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n
 // S_l[c] = Σ_{i : w[i, l] != 0} w[i, l] Σ_j α_j g_j[i, c] for the columns c of chunk b, accumulated
 // in fp32 in sample order and written once. Grid (chunks).
 template <typename T>
-__global__ void __launch_bounds__(kWsumThreads)
+__global__ void __launch_bounds__(kWsumThreads, 8)
     weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
                         int64_t L) {
   constexpr int N = ilp(sizeof(T));
