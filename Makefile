@@ -13,7 +13,7 @@ export CUDA_HOME
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: test bench install lint format static-check clean
+.PHONY: test bench install lint format static-check cmake clean
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,11 @@ lint: $(VENV)/.deps
 format: $(VENV)/.deps
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 	clang-format -i $(SOURCES)
+
+cmake: $(VENV)/.deps
+	cmake -S . -B build/cmake -G Ninja -DPython3_EXECUTABLE=$(abspath $(PY)) \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build build/cmake
 
 clean:
 	rm -rf build *.egg-info dpkernels/*.so

@@ -126,7 +126,9 @@ def small_tensors_shape(batch_size: int) -> Shape:
             shapes += [(c, c_in, 3, 3), (c,), (c,), (c,)]  # conv weight, bias; GroupNorm w, b
             c_in = c
     shapes += _linear(96, 10)
-    return Shape(f"small-b{batch_size}", "many small tensors, 37 convs + GroupNorm", batch_size, tuple(shapes))
+    return Shape(
+        f"small-b{batch_size}", "many small tensors, 37 convs + GroupNorm", batch_size, tuple(shapes)
+    )
 
 
 # Quick variants shrink B for the two big shapes (the eager reference dominates the run time);
@@ -289,7 +291,9 @@ def bandwidth_providers(nbytes: int) -> list[Provider]:
     src = torch.ones(nbytes // 4)
     dst = torch.zeros_like(src)
     return [
-        Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=2 * nbytes, note="dst.copy_(src)"),
+        Provider(
+            "copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=2 * nbytes, note="dst.copy_(src)"
+        ),
         Provider("read", "bandwidth", call=lambda: torch.sum(src), bytes_moved=nbytes, note="torch.sum(src)"),
     ]
 
@@ -396,7 +400,9 @@ def peak_extra_memory(fn: Callable[[], object]) -> tuple[int | None, int | None,
         result = fn()
     try:
         tree = prof.profiler.kineto_results.experimental_event_tree()
-        allocs = sorted((n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
+        allocs = sorted(
+            (n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns
+        )
     except Exception:  # a private API: degrade to "not measured" rather than fail the run
         return None, None, result
     cur = peak = 0
@@ -473,9 +479,10 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         cfg.budget_s,
         on_call=lambda p, phase: advance(f"{p.name} {phase}"),
     )
-    if progress is not None:  # rounds a slow provider skips are progress it will never make
-        dropped = sum(cfg.repeats - res[p.name]["rounds"] for p in timed)
-        progress.update(task, total=progress.tasks[task].total - dropped)
+    if progress is not None:
+        # Correct the up-front estimate: rounds a slow provider skips will never be made.
+        steps = 2 + sum(cfg.warmup + res[p.name]["rounds"] for p in timed) + len(timed) - len(bw)
+        progress.update(task, total=progress.tasks[task].total - expected_steps(cfg) + steps)
     del bw
 
     bd4, bpd4 = shape.grad_bytes, (shape.batch_size + shape.n_params) * 4
@@ -573,7 +580,9 @@ def shape_table(rec: dict):
             t.add_row(row["name"], f"[dim]skipped: {row['reason']}[/]")
             continue
         peak = row.get("peak_extra_bytes")
-        style = "bold green" if row["kind"] == "dpkernels" else ("dim" if row["kind"] == "bandwidth" else None)
+        style = (
+            "bold green" if row["kind"] == "dpkernels" else ("dim" if row["kind"] == "bandwidth" else None)
+        )
         t.add_row(
             row["name"],
             f"{1e3 * row['median_s']:.2f}",
@@ -617,7 +626,10 @@ def target_rows(shapes: Sequence[dict]) -> list[dict]:
 def targets_table(rows: Sequence[dict]):
     from rich.table import Table
 
-    t = Table(title=f"Target: cpu backend >= {100 * READ_TARGET:.0f}% of same-run read bandwidth", title_justify="left")
+    t = Table(
+        title=f"Target: cpu backend >= {100 * READ_TARGET:.0f}% of same-run read bandwidth",
+        title_justify="left",
+    )
     for col in ("shape", "B", "% read BW", "met", "× Opacus", "peak ÷ B·D·4", "peak ÷ (B+D)·4"):
         t.add_column(col, justify="left" if col == "shape" else "right")
     for r in rows:
@@ -648,7 +660,11 @@ def machine_info() -> dict:
     cpuinfo = read("/proc/cpuinfo")
     model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
     mem = re.search(r"^MemTotal:\s*(\d+) kB", read("/proc/meminfo"), re.M)
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "dpkernels": dpkernels.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dpkernels": dpkernels.__version__,
+    }
     for mod in ("opacus", "rich"):
         try:
             from importlib.metadata import version
@@ -666,8 +682,22 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "versions": versions,
         "backends_available": _backend.available_backends("cpu"),
-        "env": {k: os.environ[k] for k in ("DPKERNELS_POISON_OUTPUTS", "TRITON_INTERPRET", "OMP_NUM_THREADS") if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("DPKERNELS_POISON_OUTPUTS", "TRITON_INTERPRET", "OMP_NUM_THREADS")
+            if k in os.environ
+        },
     }
+
+
+def expected_steps(cfg: BenchConfig) -> int:
+    """Progress steps of one shape: 2 set-up steps, every timed call, one memory call each."""
+    import importlib.util
+
+    n_clip = 1 + int(cfg.compile_reference)  # the eager and the compiled reference
+    n_clip += int("cpu" in _backend.available_backends("cpu"))
+    n_clip += int(importlib.util.find_spec("opacus") is not None)
+    return 2 + (n_clip + 2) * (cfg.warmup + cfg.repeats) + n_clip
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
@@ -693,9 +723,7 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         "method": __doc__,
         "shapes": [],
     }
-    n_timed = 2 + sum(1 for p in ("cpu",) if p in _backend.available_backends("cpu")) + 2  # + ref, compile/opacus
-    n_timed += int(cfg.compile_reference)
-    per_shape = n_timed * (cfg.warmup + cfg.repeats) + n_timed + 2
+    per_shape = expected_steps(cfg)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -718,5 +746,7 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
-        console.print(f"wrote {path} (wall {record['wall_s']:.0f} s, peak RSS {record['max_rss_gib']:.1f} GiB)")
+        console.print(
+            f"wrote {path} (wall {record['wall_s']:.0f} s, peak RSS {record['max_rss_gib']:.1f} GiB)"
+        )
     return record

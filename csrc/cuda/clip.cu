@@ -76,8 +76,8 @@ static_assert(kSumsqSteps % kSumsqUnroll == 0);
 // weighted_sum: one block owns kWsumThreads vectors of columns and walks all B rows. Small blocks,
 // so that a model of a few million parameters still yields enough blocks to fill the GPU.
 constexpr int kWsumThreads = 128;
-// Rows in flight per thread: 128 bytes of loads, whatever the dtype.
-constexpr int kWsumRowBytes = 128;
+// Rows in flight per thread, 16 bytes each.
+constexpr int kWsumRows = 4;
 constexpr int kReduceThreads = 256;
 constexpr int kClipThreads = 256;
 
@@ -223,6 +223,8 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
   constexpr int N = ilp(sizeof(T));
   constexpr int kStride = kVec ? 1 : kSumsqThreads;
   constexpr int kStep = kSumsqThreads * N;
+  // The scalar path issues N loads per step; fewer steps in flight keep it within the same registers.
+  constexpr int U = kVec ? kSumsqUnroll : kSumsqUnroll / 2;
   const int k = a.tab.k;
   const float alpha0 = a.tab.alpha[0];
   const T* g0 = grad_row<T>(a.tab, s, 0, offset);
@@ -231,10 +233,10 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
   const int first = kVec ? static_cast<int>(threadIdx.x) * N : static_cast<int>(threadIdx.x);
   double acc = 0.0;
   // Block-uniform trip count: a short last chunk stops after the steps it needs.
-  for (int base = first; base - first < len; base += kSumsqUnroll * kStep) {
-    float v[kSumsqUnroll][N];
+  for (int base = first; base - first < len; base += U * kStep) {
+    float v[U][N];
 #pragma unroll
-    for (int u = 0; u < kSumsqUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       load_elems<N, kVec, kStride>(g0, base + u * kStep, len, v[u]);
 #pragma unroll
       for (int e = 0; e < N; ++e) v[u][e] *= alpha0;
@@ -243,7 +245,7 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
       const T* gj = grad_row<T>(a.tab, s, j, offset);
       const float aj = a.tab.alpha[j];
 #pragma unroll
-      for (int u = 0; u < kSumsqUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         float x[N];
         load_elems<N, kVec, kStride>(gj, base + u * kStep, len, x);
 #pragma unroll
@@ -251,7 +253,7 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSumsqUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = base + u * kStep;
       float sh[N], sc[N];
       if constexpr (kShift) load_elems<N, kVec, kStride>(shift, c, len, sh);
@@ -272,7 +274,7 @@ __device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_
 // partial[i, chunk_base + b] = Σ_{e in chunk b} shift_scale(Σ_j α_j g_j[i, e], shift[e], scale[e])²
 // for block b, in fp64. Grid (chunks, min(B, 65535)); blockIdx.y strides over the samples.
 template <typename T, bool kShift, bool kScale>
-__global__ void __launch_bounds__(kSumsqThreads, 4)
+__global__ void __launch_bounds__(kSumsqThreads)
     per_sample_sumsq_kernel(const __grid_constant__ SumsqArgs a, int64_t B, int64_t num_chunks,
                             double* __restrict__ partial) {
   constexpr int64_t kChunk = sumsq_chunk(sizeof(T));
@@ -346,57 +348,54 @@ __device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights
   return total;
 }
 
-// acc += Σ_u w[m + u] Σ_j α_j g_j[i0 + row[m + u], start + this thread's offsets], samples in order.
-// U rows are loaded before any is used, so U * 16 bytes per thread are in flight.
+// acc += Σ_u c_u g_{j_u}[i0 + row[m_u], start + this thread's offsets] over the next U (sample, set)
+// pairs (m_u, j_u) of the compacted list in (sample, set) order, with c_u = w[m_u] α_{j_u}; advances
+// (m, j) past them. The CPU kernel uses the same order and the same fp32 rounding, so the two agree
+// bitwise. All U rows are loaded before the first is used, so U * 16 bytes per thread are in flight.
 template <typename T, bool kVec, int U>
 __device__ __forceinline__ void wsum_rows(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
-                                          int len, int64_t i0, const int* row, const float* w, int m,
+                                          int len, int64_t i0, const int* row, const float* w, int& m, int& j,
                                           float (&acc)[ilp(sizeof(T))]) {
   constexpr int N = ilp(sizeof(T));
   constexpr int kStride = kVec ? 1 : kWsumThreads;
-  int64_t off[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) off[u] = (i0 + row[m + u]) * n + start;
-  float v[U][N];
-  const float alpha0 = tab.alpha[0];
+  const T* p[U];
+  float c[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    load_elems<N, kVec, kStride>(grad_row<T>(tab, s, 0, off[u]), col, len, v[u]);
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[u][e] *= alpha0;
-  }
-  for (int j = 1; j < tab.k; ++j) {
-    const float aj = tab.alpha[j];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float x[N];
-      load_elems<N, kVec, kStride>(grad_row<T>(tab, s, j, off[u]), col, len, x);
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[u][e] = fmaf(aj, x[e], v[u][e]);
+    p[u] = grad_row<T>(tab, s, j, (i0 + row[m]) * n + start);
+    c[u] = w[m] * tab.alpha[j];
+    if (++j == tab.k) {
+      j = 0;
+      ++m;
     }
   }
+  float x[U][N];
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_elems<N, kVec, kStride>(p[u], col, len, x[u]);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const float wu = w[m + u];
 #pragma unroll
-    for (int e = 0; e < N; ++e) acc[e] = fmaf(wu, v[u][e], acc[e]);
+    for (int e = 0; e < N; ++e) acc[e] = fmaf(c[u], x[u][e], acc[e]);
   }
 }
 
+// acc += Σ_{m < count} w[m] Σ_j α_j g_j[i0 + row[m], ...], U rows at a time.
 template <typename T, bool kVec>
 __device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
                                           int len, int64_t i0, const int* row, const float* w, int count,
                                           float (&acc)[ilp(sizeof(T))]) {
-  constexpr int U = kWsumRowBytes / 16;
-  int m = 0;
-  for (; m + U <= count; m += U) wsum_rows<T, kVec, U>(tab, s, n, start, col, len, i0, row, w, m, acc);
-  for (; m < count; ++m) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, acc);
+  // The scalar path issues N loads per row; fewer rows keep it within the same registers.
+  constexpr int U = kVec ? kWsumRows : kWsumRows / 2;
+  const int rows = count * tab.k;
+  int r = 0, m = 0, j = 0;
+  for (; r + U <= rows; r += U) wsum_rows<T, kVec, U>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
+  for (; r < rows; ++r) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
 }
 
 // S_l[c] = Σ_{i : w[i, l] != 0} w[i, l] Σ_j α_j g_j[i, c] for the columns c of chunk b, accumulated
 // in fp32 in sample order and written once. Grid (chunks).
 template <typename T>
-__global__ void __launch_bounds__(kWsumThreads, 8)
+__global__ void __launch_bounds__(kWsumThreads)
     weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
                         int64_t L) {
   constexpr int N = ilp(sizeof(T));

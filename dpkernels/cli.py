@@ -1,0 +1,117 @@
+"""The ``dpkernels`` command line (``dpkernels ...`` or ``python -m dpkernels ...``).
+
+Subcommands:
+
+- ``bench``: time ``clip_and_accumulate`` on model-shaped gradient lists against the eager and
+  compiled reference, Opacus and same-run memory bandwidth (see :mod:`dpkernels.bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+# --quick: the two big shapes at B=16, fewer rounds, a tighter per-provider time budget, so the
+# whole run (torch.compile included) stays under 2 minutes on a 2-core machine.
+QUICK = {"repeats": 5, "budget_s": 4.0}
+FULL = {"repeats": 9, "budget_s": 20.0}
+
+
+def _shape_list(text: str) -> list[str]:
+    from .bench import SHAPES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpkernels", description="Fused kernels for DP training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from .bench import SHAPES
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark clip_and_accumulate against the reference, torch.compile and Opacus",
+        description=(
+            "Time dpkernels.clip_and_accumulate per backend on model-shaped per-sample gradient "
+            "lists (fp32, CPU), side by side with the eager reference, torch.compile of it, "
+            "Opacus's DPOptimizer.clip_and_accumulate and same-run copy/read bandwidth. Prints "
+            "one table per shape and writes every raw number to a JSON file."
+        ),
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="smaller B for the big shapes, fewer repeats (< 2 min)"
+    )
+    bench.add_argument(
+        "--json",
+        default="bench-results/bench.json",
+        metavar="PATH",
+        help="where to write the results (%(default)s)",
+    )
+    bench.add_argument(
+        "--shapes",
+        type=_shape_list,
+        default=list(SHAPES),
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(SHAPES)} (default: all)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
+    )
+    bench.add_argument(
+        "--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)"
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=torch.get_num_threads(),
+        metavar="N",
+        help="torch intra-op threads (default: torch.get_num_threads() = %(default)s)",
+    )
+    bench.add_argument("--no-compile", action="store_true", help="leave out torch.compile of the reference")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run
+
+    preset = QUICK if args.quick else FULL
+    cfg = BenchConfig(
+        shapes=args.shapes,
+        quick=args.quick,
+        repeats=args.repeats or preset["repeats"],
+        warmup=args.warmup,
+        threads=args.threads,
+        budget_s=preset["budget_s"],
+        compile_reference=not args.no_compile,
+    )
+    run(cfg, json_path=args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,585 @@
+"""Triton kernels for per-sample clipping: norms, clip weights and the clipped sum.
+
+The three stages of DESIGN.md §2, with the signatures and semantics of
+``dpkernels/reference/clip.py`` (the ground truth):
+
+1. ``per_sample_sumsq``: ``s_il = Σ_e ((Σ_j α_j g_i^(j,l) − shift^(l)) ⊙ scale^(l))_e²``, fp64 ``[B, L]``.
+2. ``clip_factors``:     ``c = f(n)`` for the clip, auto_s, auto_v and psac modes.
+3. ``weighted_sum``:     ``S^(l) = Σ_i w_il Σ_j α_j g_i^(j,l)``, fp32, one tensor per parameter.
+
+Notation: ``g^(j,l)`` is the per-sample gradient ``[B, *param_shape]`` of parameter tensor ``l``
+(``L`` of them) in gradient set ``j`` (``k`` sets; DP-PMLF per-sample momentum combines them
+with ``α``; ``k = 1``, ``α = [1]`` otherwise). ``shift``/``scale`` come from DP-MacAdam and
+scale-then-privatize; they only enter the norm.
+
+Launch structure (multi-tensor apply): tensors are grouped by storage dtype and by whether every
+row of every tensor in the group starts on a 16-byte boundary. Each group is one launch over a
+*chunk table*: one entry per ``CHUNK`` elements of one tensor, carrying the tensor's slot and
+the chunk's first element. Data pointers travel in an int64 table and are cast to typed pointers
+inside the kernel, so a model with hundreds of parameter tensors still costs a handful of
+launches. All tables of one host call are packed into a single int64 tensor, so one
+host-to-device copy carries them.
+
+Numerics: inputs are loaded in their storage dtype and converted to fp32 before any arithmetic
+(the interpreter silently miscomputes bf16 arithmetic, and fp32 is the reference's compute
+dtype). Squares are formed and summed in fp64, so a norm is exact to fp32 rounding and cannot
+overflow. The norm reduction is deterministic: per-(sample, chunk) fp64 partials are reduced in
+a fixed order by a second kernel, never with atomics.
+
+Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# Launch constants. Element counts are multiples of 8, so a block splits into whole 128-bit
+# vectors for fp32 (4 per vector) and 16-bit dtypes (8 per vector).
+# ---------------------------------------------------------------------------------------------
+
+#: Elements of one tensor per program of the norm kernel (one ``[B, num_chunks]`` fp64 partial
+#: each). Large enough that the partial buffer is 2/SUMSQ_BLOCK of the gradient bytes and each
+#: GPU thread has several 128-bit loads in flight; the interpreter pays per program, not per
+#: element, so a big block is cheap there too.
+SUMSQ_BLOCK = 4096
+SUMSQ_NUM_WARPS = 8
+#: Partials reduced per step by the segment kernel (a tensor's chunk count is usually small).
+SEGMENT_BLOCK = 128
+#: Norms per program of the clip-factor kernel.
+CLIP_BLOCK = 1024
+#: Columns per program of the weighted-sum kernel; each program walks all B rows.
+WSUM_BLOCK = 1024
+WSUM_NUM_WARPS = 4
+#: Rows of the weighted sum loaded before they are accumulated, to keep more loads in flight.
+WSUM_ROWS = 4
+
+# CUDA caps grid dimensions 1 and 2 at 65535; larger batches are launched in row slices.
+_MAX_GRID_Y = 65535
+_VEC_BYTES = 16
+
+_MODE_IDS = {"clip": 0, "auto_s": 1, "auto_v": 2, "psac": 3}
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+# Mirrors dpkernels/reference/clip.py; the kernel materialises them in the norms' dtype with
+# tl.full, because a bare float literal is rounded to fp32 in comparisons and selects.
+CLIP_EPS = tl.constexpr(1e-6)
+AUTO_V_MIN_NORM = tl.constexpr(1e-12)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _load_coeff(coeff_bits, j):
+    # α_j travels as its fp32 bit pattern inside the int64 metadata tensor (one H2D copy for
+    # every table); reinterpreting the low 32 bits recovers the exact fp32 value.
+    return tl.load(coeff_bits + j).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _per_sample_sumsq_kernel(
+    grad_ptrs,
+    shift_ptrs,
+    scale_ptrs,
+    coeff_bits,
+    numels,
+    chunk_slot,
+    chunk_start,
+    partial_ptr,
+    n_cols,
+    col0,
+    row0,
+    T,
+    K: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """``partial[i, col0 + c] = Σ_{e in chunk c} (((Σ_j α_j g_i^(j,t)[e]) − shift_e) · scale_e)²``.
+
+    Grid ``(num_chunks, rows)``; program ``(c, i)`` reads chunk ``c`` of sample ``row0 + i``.
+    ``grad_ptrs``: int64 ``[K·T]``, address of tensor ``t`` of set ``j`` at ``j·T + t`` (each a
+    contiguous ``[B, numels[t]]`` of dtype ``ELEM``); ``shift_ptrs``/``scale_ptrs``: int64 ``[T]``
+    fp32 addresses; ``chunk_slot``/``chunk_start``: int64 ``[num_chunks]``; ``partial_ptr``: fp64
+    ``[B, n_cols]``. The combination and shift/scale are fp32; squares and their sum are fp64.
+    ``ALIGNED``: every address is 16-byte aligned and every ``numels[t]`` a multiple of ``VEC``
+    (elements per 128-bit vector), so rows start aligned and loads can be vectorised.
+    """
+    c = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) + row0
+    t = tl.load(chunk_slot + c)
+    start = tl.load(chunk_start + c)
+    n = tl.load(numels + t)
+    if ALIGNED:
+        # The mask idx < n is only constant over whole vectors if n is a multiple of VEC.
+        n = tl.multiple_of(n, VEC)
+        start = tl.multiple_of(start, VEC)
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < n
+    offs = i * n + idx
+
+    v = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        addr = tl.load(grad_ptrs + j * T + t)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
+        g = tl.load(addr.to(tl.pointer_type(ELEM)) + offs, mask=mask, other=0.0).to(tl.float32)
+        v += _load_coeff(coeff_bits, j) * g
+    if HAS_SHIFT:
+        addr = tl.load(shift_ptrs + t)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
+        v -= tl.load(addr.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+    if HAS_SCALE:
+        addr = tl.load(scale_ptrs + t)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
+        v *= tl.load(addr.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+    # Masked lanes are exactly 0 here (0 loads, 0 shift, 0 scale), so they add nothing.
+    v64 = v.to(tl.float64)
+    tl.store(partial_ptr + i * n_cols + col0 + c, tl.sum(v64 * v64, axis=0))
+
+
+@triton.jit
+def _segment_sum_kernel(partial_ptr, n_cols, seg_first, seg_count, out_ptr, L, BLOCK: tl.constexpr):
+    """``out[i, l] = Σ_{c < seg_count[l]} partial[i, seg_first[l] + c]``, fp64, fixed order.
+
+    Grid ``(B·L,)`` flattened (no 65535 cap on either dimension); ``partial_ptr``: fp64
+    ``[B, n_cols]``; ``seg_first``/``seg_count``: int64 ``[L]``; ``out_ptr``: fp64 ``[B, L]``. A
+    tensor's chunks are contiguous columns, so this is a segmented row sum. A tensor with no
+    elements has no chunks and gets 0.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid // L
+    l = pid % L  # noqa: E741
+    first = tl.load(seg_first + l)
+    count = tl.load(seg_count + l)
+    row = partial_ptr + i * n_cols + first
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for c0 in range(0, count, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        acc += tl.load(row + cols, mask=cols < count, other=0.0)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _clip_factors_kernel(norms_ptr, params_ptr, out_ptr, N, L_C, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[e] = f(norms[e])`` elementwise in the dtype of ``norms`` (fp32 or fp64).
+
+    ``params_ptr`` (same dtype): ``[r, C_0, .., C_{L_C-1}]``; element ``e`` uses ``C_{e mod L_C}``
+    (``L_C = 1`` for one threshold, ``L`` for per-layer thresholds on ``[B, L]`` norms).
+    ``MODE``: 0 clip ``min(1, C/(n + 1e-6))``, 1 auto_s ``C/(n + r)``, 2 auto_v
+    ``C/max(n, 1e-12)``, 3 psac ``C/(n + r/(n + r))``. A NaN norm gives a NaN weight in every
+    mode (the selects below pass NaN through, like torch.clamp).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    n = tl.load(norms_ptr + offs, mask=mask, other=1.0)
+    dt: tl.constexpr = n.dtype
+    C = tl.load(params_ptr + 1 + offs % L_C, mask=mask, other=1.0)
+    r = tl.load(params_ptr)
+    if MODE == 0:
+        w = C / (n + tl.full([], CLIP_EPS, dt))
+        w = tl.where(w > 1, tl.full([], 1.0, dt), w)
+    elif MODE == 1:
+        w = C / (n + r)
+    elif MODE == 2:
+        floor = tl.full([], AUTO_V_MIN_NORM, dt)
+        w = C / tl.where(n < floor, floor, n)
+    else:
+        w = C / (n + r / (n + r))
+    tl.store(out_ptr + offs, w, mask=mask)
+
+
+@triton.jit
+def _weighted_sum_kernel(
+    grad_ptrs,
+    out_ptrs,
+    coeff_bits,
+    numels,
+    layer_ids,
+    chunk_slot,
+    chunk_start,
+    weights_ptr,
+    w_stride_b,
+    w_stride_l,
+    B,
+    T,
+    K: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """``S^(t)[e] = Σ_{i : w_il ≠ 0} w_il · Σ_j α_j g_i^(j,t)[e]`` over one chunk of columns.
+
+    Grid ``(num_chunks,)``; each program walks all ``B`` rows of its chunk, accumulates in fp32
+    and stores once (no atomics, deterministic). ``grad_ptrs``: int64 ``[K·T]`` as in
+    ``_per_sample_sumsq_kernel``; ``out_ptrs``: int64 ``[T]`` fp32 outputs of ``numels[t]``
+    elements; ``layer_ids``: int64 ``[T]``, the column ``l`` of tensor ``t`` in ``weights``
+    (``w_il`` at ``i·w_stride_b + l·w_stride_l``). A zero weight is skipped, not multiplied, so a
+    dropped sample with a NaN/Inf gradient cannot poison the sum.
+    """
+    c = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunk_slot + c)
+    start = tl.load(chunk_start + c)
+    n = tl.load(numels + t)
+    l = tl.load(layer_ids + t)  # noqa: E741
+    if ALIGNED:
+        n = tl.multiple_of(n, VEC)
+        start = tl.multiple_of(start, VEC)
+    idx = start + tl.arange(0, BLOCK)
+    col_mask = idx < n
+
+    # Loop-invariant addresses and coefficients, loaded once rather than once per row.
+    ptrs = ()
+    alphas = ()
+    for j in tl.static_range(K):
+        addr = tl.load(grad_ptrs + j * T + t)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
+        ptrs = ptrs + (addr.to(tl.pointer_type(ELEM)),)
+        alphas = alphas + (_load_coeff(coeff_bits, j),)
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i0 in range(0, B, ROWS):
+        # ROWS rows per trip: their loads are independent, so they are all in flight at once.
+        for r in tl.static_range(ROWS):
+            i = tl.cast(i0 + r, tl.int64)
+            in_batch = i < B
+            w = tl.load(weights_ptr + i * w_stride_b + l * w_stride_l, mask=in_batch, other=0.0)
+            w = w.to(tl.float32)
+            mask = col_mask & in_batch
+            v = tl.zeros([BLOCK], dtype=tl.float32)
+            for j in tl.static_range(K):
+                g = tl.load(ptrs[j] + i * n + idx, mask=mask, other=0.0).to(tl.float32)
+                v += alphas[j] * g
+            acc += tl.where(w != 0, w * v, 0.0)
+
+    addr = tl.load(out_ptrs + t)
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+    tl.store(addr.to(tl.pointer_type(tl.float32)) + idx, acc, mask=col_mask)
+
+
+# =============================================================================================
+# Host side: validation, grouping, chunk tables
+# =============================================================================================
+
+
+class _Group(NamedTuple):
+    """One launch: tensors ``slots`` (indices into the L parameters) sharing dtype and alignment."""
+
+    dtype: torch.dtype
+    aligned: bool
+    slots: list[int]
+
+
+class _Meta:
+    """Collects every int64 table of one host call; ``finish`` copies them to the device at once."""
+
+    def __init__(self) -> None:
+        self._values: list[int] = []
+        self._spans: list[tuple[int, int]] = []
+        self.tensor: torch.Tensor | None = None
+
+    def add(self, values: Sequence[int]) -> int:
+        # Start each table on a 16-byte boundary so Triton sees the same pointer alignment for
+        # every slice (one compiled variant instead of two).
+        if len(self._values) % 2:
+            self._values.append(0)
+        self._spans.append((len(self._values), len(values)))
+        self._values.extend(values)
+        return len(self._spans) - 1
+
+    def finish(self, device: torch.device) -> None:
+        self.tensor = torch.tensor(self._values or [0], dtype=torch.int64, device=device)
+
+    def __getitem__(self, handle: int) -> torch.Tensor:
+        begin, count = self._spans[handle]
+        return self.tensor[begin : begin + max(count, 1)]
+
+
+def _coeff_bits(coeffs: Sequence[float]) -> list[int]:
+    return [struct.unpack("<i", struct.pack("<f", float(a)))[0] for a in coeffs]
+
+
+def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, torch.device]:
+    """Contiguous ``[k][L]`` tensors (copies made only where needed), ``B``, ``L`` and the device."""
+    sets = [list(gs) for gs in grad_sets]
+    if not sets or not sets[0]:
+        raise ValueError("grad_sets must hold at least one set of at least one tensor")
+    if len(coeffs) != len(sets):
+        raise ValueError(f"coeffs has {len(coeffs)} entries for {len(sets)} gradient set(s)")
+    L, first = len(sets[0]), sets[0][0]
+    B, device = first.shape[0], first.device
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
+            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+        )
+    for j, gs in enumerate(sets):
+        if len(gs) != L:
+            raise ValueError(f"gradient set {j} has {len(gs)} tensors but set 0 has {L}")
+        for idx, g in enumerate(gs):
+            ref = sets[0][idx]
+            if g.dtype not in _TL_DTYPES:
+                raise TypeError(f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16")
+            if g.dim() == 0 or g.shape[0] != B or g.device != device:
+                raise ValueError(f"grad_sets[{j}][{idx}] must be [B={B}, ...] on {device}")
+            if g.shape != ref.shape or g.dtype != ref.dtype:
+                raise ValueError(f"grad_sets[{j}][{idx}] must match grad_sets[0][{idx}] in shape and dtype")
+            if not g.is_contiguous():
+                gs[idx] = g.contiguous()
+    return sets, B, L, device
+
+
+def _vectors(vecs, sets, L, device, name) -> list[torch.Tensor] | None:
+    if vecs is None or len(vecs) == 0:
+        return None
+    if len(vecs) != L:
+        raise ValueError(f"{name} must hold {L} tensors, one per parameter, got {len(vecs)}")
+    out = []
+    for idx, (v, g) in enumerate(zip(vecs, sets[0], strict=True)):
+        if v.numel() != g[0].numel() or v.device != device:
+            raise ValueError(f"{name}[{idx}] must have {g[0].numel()} elements on {device}")
+        out.append(v.to(torch.float32).contiguous())
+    return out
+
+
+def _aligned(tensors: Sequence[torch.Tensor], numel: int, elem_size: int) -> bool:
+    """Every row of every tensor starts on a 16-byte boundary (vectorised loads are legal)."""
+    vec = _VEC_BYTES // elem_size
+    return numel % vec == 0 and all(t.data_ptr() % _VEC_BYTES == 0 for t in tensors)
+
+
+def _groups(sets, extra: Sequence[list[torch.Tensor] | None]) -> list[_Group]:
+    """Tensors grouped by (dtype, alignment); slot order within a group follows parameter order."""
+    by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for idx, g in enumerate(sets[0]):
+        numel = _row_numel(g)
+        tensors = [gs[idx] for gs in sets] + [vs[idx] for vs in extra if vs is not None]
+        # Row starts of the fp32 shift/scale are the chunk starts, aligned whenever the pointer is.
+        key = (g.dtype, _aligned(tensors, numel, g.dtype.itemsize))
+        by_key.setdefault(key, []).append(idx)
+    return [_Group(dtype, aligned, slots) for (dtype, aligned), slots in by_key.items()]
+
+
+def _row_numel(g: torch.Tensor) -> int:
+    n = 1
+    for s in g.shape[1:]:
+        n *= s
+    return n
+
+
+def _chunks(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
+    """Chunk table: for each ``block``-element chunk, its tensor slot and first element."""
+    slots, starts = [], []
+    for slot, n in enumerate(numels):
+        for s in range(0, n, block):
+            slots.append(slot)
+            starts.append(s)
+    return slots, starts
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else _NullGuard()
+
+
+class _NullGuard:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# =============================================================================================
+# Host functions (signatures of dpkernels/reference/clip.py)
+# =============================================================================================
+
+
+def per_sample_sumsq(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    coeffs: Sequence[float],
+    shift: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``s_il = Σ_e ((Σ_j α_j g_i^(j,l) − shift^(l)) ⊙ scale^(l))_e²``, fp64 ``[B, L]``.
+
+    Args:
+        grad_sets: ``k`` lists of ``L`` tensors ``[B, *param_shape]`` (fp32, fp16 or bf16; tensor
+            ``l`` has the same shape and dtype in every set).
+        coeffs: ``[α_1..α_k]``.
+        shift, scale: ``None`` or ``L`` tensors shaped like the parameters (used in fp32).
+
+    The combination and shift/scale are fp32; squares are summed in fp64 (exact to fp32
+    rounding, no overflow for finite gradients). Deterministic: no atomics. Launches one norm
+    kernel per (dtype, alignment) group and one segment reduction.
+    """
+    sets, B, L, device = _check_sets(grad_sets, coeffs)
+    shift_v = _vectors(shift, sets, L, device, "shift")
+    scale_v = _vectors(scale, sets, L, device, "scale")
+    if B == 0:
+        return torch.zeros((0, L), dtype=torch.float64, device=device)
+    K = len(sets)
+
+    meta = _Meta()
+    coeff_h = meta.add(_coeff_bits(coeffs))
+    launches = []
+    seg_first, seg_count = [0] * L, [0] * L
+    col = 0
+    for grp in _groups(sets, (shift_v, scale_v)):
+        numels = [_row_numel(sets[0][s]) for s in grp.slots]
+        slots, starts = _chunks(numels, SUMSQ_BLOCK)
+        col0 = col  # this group's chunks are partial columns [col0, col0 + len(slots))
+        for s, n in zip(grp.slots, numels, strict=True):
+            seg_first[s], seg_count[s] = col, -(-n // SUMSQ_BLOCK)
+            col += seg_count[s]
+        if not slots:
+            continue
+        handles = dict(
+            grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
+            shift_ptrs=meta.add([shift_v[s].data_ptr() for s in grp.slots] if shift_v else []),
+            scale_ptrs=meta.add([scale_v[s].data_ptr() for s in grp.slots] if scale_v else []),
+            numels=meta.add(numels),
+            chunk_slot=meta.add(slots),
+            chunk_start=meta.add(starts),
+        )
+        launches.append((grp, handles, len(slots), col0))
+    first_h, count_h = meta.add(seg_first), meta.add(seg_count)
+    meta.finish(device)
+
+    n_cols = col
+    partial = torch.empty((B, max(n_cols, 1)), dtype=torch.float64, device=device)
+    out = torch.empty((B, L), dtype=torch.float64, device=device)
+    with _device_guard(device):
+        for grp, h, n_chunks, col0 in launches:
+            for row0 in range(0, B, _MAX_GRID_Y):
+                rows = min(_MAX_GRID_Y, B - row0)
+                _per_sample_sumsq_kernel[(n_chunks, rows)](
+                    meta[h["grad_ptrs"]], meta[h["shift_ptrs"]], meta[h["scale_ptrs"]], meta[coeff_h],
+                    meta[h["numels"]], meta[h["chunk_slot"]], meta[h["chunk_start"]],
+                    partial, partial.shape[1], col0, row0, len(grp.slots),
+                    K=K, HAS_SHIFT=shift_v is not None, HAS_SCALE=scale_v is not None,
+                    ELEM=_TL_DTYPES[grp.dtype], BLOCK=SUMSQ_BLOCK, ALIGNED=grp.aligned,
+                    VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=SUMSQ_NUM_WARPS,
+                )  # fmt: skip
+        _segment_sum_kernel[(B * L,)](
+            partial, partial.shape[1], meta[first_h], meta[count_h], out, L, BLOCK=SEGMENT_BLOCK
+        )
+    return out
+
+
+def clip_factors(
+    norms: torch.Tensor, max_grad_norm: float | Sequence[float], mode: str = "clip", r: float = 0.0
+) -> torch.Tensor:
+    """Per-sample weights ``c = f(n)``, same shape and dtype (fp32 or fp64) as ``norms``.
+
+    - ``clip``:   ``min(1, C / (n + 1e-6))``   DP-SGD (Abadi et al.), Opacus's guard
+    - ``auto_s``: ``C / (n + r)``              Auto-S / NSGD (Bu et al.; Yang et al.)
+    - ``auto_v``: ``C / max(n, 1e-12)``        Auto-V
+    - ``psac``:   ``C / (n + r / (n + r))``    DP-PSAC (Xia et al., AAAI-23)
+
+    ``norms`` is ``[B]`` or ``[B, L]``; ``max_grad_norm`` is one float, or ``L`` floats (one per
+    column of ``[B, L]`` norms). All constants are used in the dtype of ``norms``, as the
+    reference does. NaN norms give NaN weights.
+    """
+    if mode not in _MODE_IDS:
+        raise ValueError(f"unknown clip mode {mode!r}; expected one of {tuple(_MODE_IDS)}")
+    if norms.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"norms must be float32 or float64, got {norms.dtype}")
+    if norms.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("the triton backend runs on CUDA tensors; set TRITON_INTERPRET=1 for CPU tensors")
+    Cs = [float(c) for c in max_grad_norm] if isinstance(max_grad_norm, Sequence) else [float(max_grad_norm)]
+    if len(Cs) != 1 and (norms.dim() != 2 or len(Cs) != norms.shape[1]):
+        raise ValueError(f"{len(Cs)} max_grad_norm values do not match norms of shape {tuple(norms.shape)}")
+    norms = norms.contiguous()
+    out = torch.empty_like(norms)
+    N = norms.numel()
+    if N == 0:
+        return out
+    params = torch.tensor([float(r), *Cs], dtype=norms.dtype, device=norms.device)
+    with _device_guard(norms.device):
+        _clip_factors_kernel[(triton.cdiv(N, CLIP_BLOCK),)](
+            norms, params, out, N, len(Cs), MODE=_MODE_IDS[mode], BLOCK=CLIP_BLOCK
+        )
+    return out
+
+
+def weighted_sum(
+    grad_sets: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor, coeffs: Sequence[float] = (1.0,)
+) -> list[torch.Tensor]:
+    """``S^(l) = Σ_i w_il Σ_j α_j g_i^(j,l)``, fp32, one tensor per parameter shaped like it.
+
+    Args:
+        grad_sets: as :func:`per_sample_sumsq`.
+        weights: ``[B, L]`` (or ``[B]``, shared by all tensors), any float dtype; used in fp32.
+        coeffs: ``[α_1..α_k]``.
+
+    A sample whose weight is exactly 0 is skipped, so a dropped non-finite sample cannot poison
+    the sum. Accumulation is fp32, in sample order, with no atomics (deterministic). One launch
+    per (dtype, alignment) group.
+    """
+    sets, B, L, device = _check_sets(grad_sets, coeffs)
+    if weights.dim() not in (1, 2) or weights.shape[0] != B or (weights.dim() == 2 and weights.shape[1] != L):
+        raise ValueError(f"weights must be [B]={B} or [B, L]=[{B}, {L}], got {tuple(weights.shape)}")
+    if weights.device != device:
+        raise ValueError(f"weights are on {weights.device} but the gradients are on {device}")
+    shapes = [g.shape[1:] for g in sets[0]]
+    if B == 0:
+        return [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
+    outs = [torch.empty(s, dtype=torch.float32, device=device) for s in shapes]
+    w_stride_b = weights.stride(0)
+    w_stride_l = weights.stride(1) if weights.dim() == 2 else 0
+    K = len(sets)
+
+    meta = _Meta()
+    coeff_h = meta.add(_coeff_bits(coeffs))
+    launches = []
+    for grp in _groups(sets, (outs,)):
+        numels = [_row_numel(sets[0][s]) for s in grp.slots]
+        slots, starts = _chunks(numels, WSUM_BLOCK)
+        if not slots:
+            continue
+        handles = dict(
+            grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
+            out_ptrs=meta.add([outs[s].data_ptr() for s in grp.slots]),
+            numels=meta.add(numels),
+            layer_ids=meta.add(grp.slots),
+            chunk_slot=meta.add(slots),
+            chunk_start=meta.add(starts),
+        )
+        launches.append((grp, handles, len(slots)))
+    meta.finish(device)
+
+    with _device_guard(device):
+        for grp, h, n_chunks in launches:
+            _weighted_sum_kernel[(n_chunks,)](
+                meta[h["grad_ptrs"]], meta[h["out_ptrs"]], meta[coeff_h], meta[h["numels"]],
+                meta[h["layer_ids"]], meta[h["chunk_slot"]], meta[h["chunk_start"]],
+                weights, w_stride_b, w_stride_l, B, len(grp.slots),
+                K=K, ELEM=_TL_DTYPES[grp.dtype], BLOCK=WSUM_BLOCK, ROWS=WSUM_ROWS,
+                ALIGNED=grp.aligned, VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=WSUM_NUM_WARPS,
+            )  # fmt: skip
+    return outs
