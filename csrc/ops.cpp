@@ -18,4 +18,12 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def("clip_factors(Tensor norms, float[] max_grad_norm, str mode, float r) -> Tensor");
   // One float32 tensor per parameter: Σ_i weights[i, l] Σ_j coeffs[j] grads[j*L+l][i].
   m.def("weighted_sum(Tensor[] grads, float[] coeffs, Tensor weights) -> Tensor[]");
+
+  // Counter-based noise (docs/RNG.md). The 64-bit seed travels as the bits of a signed int.
+  // out[i] = Philox word of element offset + i, as int64 in [0, 2^32).
+  m.def("philox_uint32_(Tensor(a!) out, int seed, int step, int stream, int offset) -> ()");
+  // out[i] = std * z(offset + i).
+  m.def("gaussian_fill_(Tensor(a!) out, float std, int seed, int step, int stream, int offset) -> ()");
+  // tensors[t][i] += std * z(offset + global index), the index running across the whole list.
+  m.def("add_gaussian_noise_(Tensor(a!)[] tensors, float std, int seed, int step, int stream, int offset) -> ()");
 }

@@ -1,0 +1,153 @@
+// CPU kernels of dpkernels' counter-based noise (spec: docs/RNG.md; math: philox.h).
+//
+// Work is cut into runs of kBatch Philox blocks. Each run computes its blocks' words with the
+// scalar Philox from philox.h (the compiler vectorises the kBatch-wide loops: 32x32->64-bit
+// multiplies become vpmuludq) and the Box-Muller transform with at::vec (Sleef log/sin/cos), then
+// writes or adds the 4 * kBatch values in element order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "dpkernels/dispatch.h"
+#include "dpkernels/macros.h"
+#include "dpkernels/philox.h"
+
+namespace dpkernels {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int kBatch = fVec::size();        // Philox blocks per run
+constexpr int64_t kRun = 4 * kBatch;        // elements per run
+constexpr int64_t kGrain = 1 << 14;         // elements per parallel task
+
+struct NoiseKey {
+  uint64_t seed;
+  uint32_t step, stream;
+};
+
+NoiseKey make_key(int64_t seed, int64_t step, int64_t stream) {
+  DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
+  DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
+  // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
+  return {static_cast<uint64_t>(seed), static_cast<uint32_t>(step), static_cast<uint32_t>(stream)};
+}
+
+// Words of kBatch consecutive blocks starting at `block`, element order (4 words per block).
+// philox4x32_10() one lane at a time, with the rounds outside the lane loop so that the lanes
+// vectorise.
+inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
+  alignas(64) uint32_t c0[kBatch], c1[kBatch], c2[kBatch], c3[kBatch];
+  for (int b = 0; b < kBatch; ++b) {
+    c0[b] = static_cast<uint32_t>(block + b);
+    c1[b] = static_cast<uint32_t>((block + b) >> 32);
+    c2[b] = key.step;
+    c3[b] = key.stream;
+  }
+  uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1) {
+    for (int b = 0; b < kBatch; ++b) philox_round(c0[b], c1[b], c2[b], c3[b], k0, k1);
+  }
+  for (int b = 0; b < kBatch; ++b) {
+    words[4 * b] = c0[b];
+    words[4 * b + 1] = c1[b];
+    words[4 * b + 2] = c2[b];
+    words[4 * b + 3] = c3[b];
+  }
+}
+
+// Standard normals of kBatch consecutive blocks, element order.
+inline void normal_run(uint64_t block, const NoiseKey& key, float* z) {
+  alignas(64) uint32_t words[kRun];
+  philox_run(block, key, words);
+  alignas(64) float u[4][kBatch];
+  for (int b = 0; b < kBatch; ++b) {
+    for (int w = 0; w < 4; ++w) u[w][b] = uniform_open0(words[4 * b + w]);
+  }
+  alignas(64) float out[4][kBatch];
+  for (int pair = 0; pair < 2; ++pair) {
+    // Same formula as box_muller() in philox.h, kBatch lanes at a time.
+    const fVec r = (fVec(-2.0f) * fVec::loadu(u[2 * pair]).log()).sqrt();
+    const fVec theta = fVec(6.2831853071795865f) * fVec::loadu(u[2 * pair + 1]);
+    (r * theta.cos()).store(out[2 * pair]);
+    (r * theta.sin()).store(out[2 * pair + 1]);
+  }
+  for (int b = 0; b < kBatch; ++b) {
+    for (int w = 0; w < 4; ++w) z[4 * b + w] = out[w][b];
+  }
+}
+
+// Calls sink(first_element, values, count) over element range [e0, e1) of the global stream,
+// in parallel; values[i] belongs to element first_element + i.
+template <typename T, typename Gen, typename Sink>
+void for_each_run(int64_t e0, int64_t e1, const Gen& gen, const Sink& sink) {
+  if (e1 <= e0) return;
+  const int64_t r0 = e0 / kRun, r1 = (e1 + kRun - 1) / kRun;  // runs are aligned to kRun elements
+  at::parallel_for(r0, r1, std::max<int64_t>(1, kGrain / kRun), [&](int64_t a, int64_t b) {
+    alignas(64) T vals[kRun];
+    for (int64_t run = a; run < b; ++run) {
+      gen(static_cast<uint64_t>(run) * kBatch, vals);
+      const int64_t lo = std::max(e0, run * kRun), hi = std::min(e1, (run + 1) * kRun);
+      sink(lo, vals + (lo - run * kRun), hi - lo);
+    }
+  });
+}
+
+void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CPU tensor");
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  const NoiseKey key = make_key(seed, step, stream);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_run<uint32_t>(
+      offset, offset + out.numel(), [&](uint64_t block, uint32_t* w) { philox_run(block, key, w); },
+      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+}
+
+// out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
+void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset,
+                  bool accumulate) {
+  const NoiseKey key = make_key(seed, step, stream);
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  const float s = static_cast<float>(std);
+  int64_t base = offset;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const at::Tensor& x = tensors[t];
+    DPK_CHECK(x.device().is_cpu() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CPU tensor");
+    DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "gaussian_noise", [&] {
+      scalar_t* p = x.data_ptr<scalar_t>();
+      for_each_run<float>(
+          base, base + x.numel(), [&](uint64_t block, float* z) { normal_run(block, key, z); },
+          [&](int64_t e, const float* z, int64_t n) {
+            scalar_t* dst = p + (e - base);
+            for (int64_t i = 0; i < n; ++i) {
+              const float v = s * z[i];
+              dst[i] = static_cast<scalar_t>(accumulate ? static_cast<float>(dst[i]) + v : v);
+            }
+          });
+    });
+    base += x.numel();
+  }
+}
+
+void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+  gaussian_cpu({out}, std, seed, step, stream, offset, /*accumulate=*/false);
+}
+
+void add_gaussian_noise_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                            int64_t offset) {
+  gaussian_cpu(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
+  m.impl("philox_uint32_", &philox_uint32_cpu);
+  m.impl("gaussian_fill_", &gaussian_fill_cpu);
+  m.impl("add_gaussian_noise_", &add_gaussian_noise_cpu);
+}
+
+}  // namespace dpkernels
