@@ -85,6 +85,17 @@ def _add_noise(tensors: list[Tensor], std: float, seed: int, step: int, stream: 
         torch.ops.dpkernels_C.add_gaussian_noise_(tensors, std, _signed64(seed), step, stream, offset)
 
 
+def _fill(out: Tensor, std: float, seed: int, step: int, stream: int, offset: int, backend: str) -> None:
+    seed = _unsigned64(seed)
+    if backend == "reference":
+        z = ref.standard_normal(out.numel(), seed=seed, step=step, stream=stream, offset=offset, device=out.device)
+        out.copy_((std * z).view_as(out))
+    elif backend == "triton":
+        _triton().gaussian_fill_(out, std, seed, step, stream, offset)
+    else:
+        torch.ops.dpkernels_C.gaussian_fill_(out, std, _signed64(seed), step, stream, offset)
+
+
 @torch.library.custom_op("dpkernels::philox_uint32", mutates_args=())
 def _philox_uint32_op(numel: int, seed: int, step: int, stream: int, offset: int, device: torch.device, backend: str) -> Tensor:
     out = torch.empty(numel, dtype=torch.int64, device=device)
@@ -95,6 +106,21 @@ def _philox_uint32_op(numel: int, seed: int, step: int, stream: int, offset: int
 @_philox_uint32_op.register_fake
 def _(numel, seed, step, stream, offset, device, backend):
     return torch.empty(numel, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("dpkernels::gaussian_noise", mutates_args=())
+def _gaussian_noise_op(
+    shape: list[int], std: float, seed: int, step: int, stream: int, offset: int, dtype: torch.dtype,
+    device: torch.device, backend: str,
+) -> Tensor:  # fmt: skip
+    out = torch.empty(shape, dtype=dtype, device=device)
+    _fill(out, std, seed, step, stream, offset, backend)
+    return out
+
+
+@_gaussian_noise_op.register_fake
+def _(shape, std, seed, step, stream, offset, dtype, device, backend):
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("dpkernels::add_gaussian_noise_", mutates_args=("tensors",))
@@ -138,12 +164,17 @@ def gaussian_noise(
     Computed in fp32 and rounded once to ``dtype`` (fp32, fp16 or bf16). ``seed=None`` draws a
     fresh seed from the OS CSPRNG.
     """
-    shape = (numel_or_shape,) if isinstance(numel_or_shape, int) else tuple(numel_or_shape)
+    shape = [numel_or_shape] if isinstance(numel_or_shape, int) else [int(n) for n in numel_or_shape]
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape must be non-negative, got {shape}")
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-    out = torch.zeros(shape, dtype=dtype, device=device)
-    add_gaussian_noise_([out], std, seed=seed, step=step, stream=stream, offset=offset, backend=backend)
-    return out
+    std = _check_std(std)
+    seed = fresh_seed() if seed is None else seed
+    _check_counter(seed, step, stream, offset)
+    device = torch.device(device)
+    backend = _backend.resolve(backend, device)
+    return _gaussian_noise_op(shape, std, _signed64(seed), step, stream, offset, dtype, device, backend)
 
 
 def add_gaussian_noise_(

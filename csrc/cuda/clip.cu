@@ -67,17 +67,24 @@ constexpr size_t kScalarArgBytes = 64;
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// per_sample_sumsq: one block reduces kSumsqSteps block-wide 128-bit steps (32 KiB) of one row.
+// per_sample_sumsq: one block reduces a chunk of kSumsqSteps block-wide 128-bit steps (16 KiB of a
+// row) for kSumsqSamples samples at once. The samples of a block share every shift/scale load, and
+// their rows are the loads a thread keeps in flight.
 constexpr int kSumsqThreads = 256;
-constexpr int kSumsqSteps = 8;
-// Steps in flight per thread between two waits on memory.
-constexpr int kSumsqUnroll = 4;
-static_assert(kSumsqSteps % kSumsqUnroll == 0);
+constexpr int kSumsqSteps = 4;
+constexpr int kSumsqSamples = 4;
+// Resident blocks per SM that the register budget must allow (<= 85 registers). By Little's law an
+// SM needs about 20 KiB of loads in flight to stream at full HBM bandwidth on H100 (3.35 TB/s x
+// ~0.8 us / 132 SMs); 768 threads x 64 bytes is 48 KiB. An estimate, not a measurement.
+constexpr int kSumsqMinBlocks = 3;
 // weighted_sum: one block owns kWsumThreads vectors of columns and walks all B rows. Small blocks,
 // so that a model of a few million parameters still yields enough blocks to fill the GPU.
 constexpr int kWsumThreads = 128;
 // Rows in flight per thread, 16 bytes each.
 constexpr int kWsumRows = 4;
+// Resident blocks per SM that the register budget must allow (<= 64 registers): 1024 threads x 64
+// bytes in flight.
+constexpr int kWsumMinBlocks = 8;
 constexpr int kReduceThreads = 256;
 constexpr int kClipThreads = 256;
 
@@ -94,26 +101,29 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Kernel argument tables (see [note: multi-tensor launches]).
 // ---------------------------------------------------------------------------------------------
 
-// Launch-wide chunk table shared by the two streaming kernels. Block b of a launch works on chunk
-// first_chunk[s] + (b - first_block[s]) of slot s = block_slot[b].
+// Launch-wide chunk table shared by the two streaming kernels. Chunk b of a launch (blockIdx.y of
+// per_sample_sumsq, blockIdx.x of weighted_sum) is chunk first_chunk[s] + (b - first_block[s]) of the
+// parameter in slot s = block_slot[b].
 struct SlotTable {
   const void* grads[kMaxPtrs];      // slot s, gradient set j at [s * k + j]; [B, numel] each
   int64_t numel[kMaxSlots];         // elements per sample
   int32_t param[kMaxSlots];         // parameter index l: column of the outputs and of weights
-  int32_t first_block[kMaxSlots];   // first blockIdx.x of the slot
+  int32_t first_block[kMaxSlots];   // first chunk b of the launch that belongs to the slot
   int32_t first_chunk[kMaxSlots];   // chunk of the parameter that first_block covers
   uint8_t vec_ok[kMaxSlots];        // see [note: alignment]
-  uint16_t block_slot[kMaxBlocks];  // slot of each blockIdx.x
+  uint16_t block_slot[kMaxBlocks];  // slot of each chunk b of the launch
   float alpha[kMaxSets];            // coefficients of the gradient sets, in fp32 like the math
   int32_t k;
 };
 static_assert(kMaxSlots <= std::numeric_limits<uint16_t>::max() && kMaxPtrs >= kMaxSets);
+// per_sample_sumsq puts the chunks of a launch on gridDim.y.
+static_assert(kMaxBlocks <= 65535);
 
 struct SumsqArgs {
   SlotTable tab;
   const float* shift[kMaxSlots];  // null unless the kernel is instantiated with kShift
   const float* scale[kMaxSlots];
-  int64_t chunk_base;  // column of the partial buffer that blockIdx.x = 0 writes
+  int64_t chunk_base;  // column of the partial buffer that chunk b = 0 of the launch writes
 };
 
 struct WsumArgs {
@@ -195,103 +205,122 @@ __device__ __forceinline__ double warp_sum(double x) {
   return x;
 }
 
-// Block-wide sum, valid in thread 0. Ends with a barrier so the caller can call it again at once.
-template <int kThreads>
-__device__ __forceinline__ double block_sum(double x, double* warp_sums) {
-  constexpr int kWarps = kThreads / kWarp;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  x = warp_sum(x);
-  if (lane == 0) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) x = warp_sum(lane < kWarps ? warp_sums[lane] : 0.0);
-  __syncthreads();
-  return x;
-}
-
 // ---------------------------------------------------------------------------------------------
 // per_sample_sumsq
 // ---------------------------------------------------------------------------------------------
 
-// Σ over the elements this thread owns in the chunk [start, start + len) of row i of slot s (offset
-// i * numel + start into the gradients) of shift_scale(Σ_j α_j g_j)². Combination and shift/scale in
-// fp32, as on every backend. The square is taken in fp64: the square of an fp32 value is exact there
-// and cannot overflow, and it costs the same one conversion and one fp64 instruction per element as
-// squaring in fp32 and adding in fp64.
+// Block-wide sums of x[0 .. S-1], valid in thread 0.
+template <int kThreads, int S>
+__device__ __forceinline__ void block_sums(double (&x)[S]) {
+  constexpr int kWarps = kThreads / kWarp;
+  __shared__ double warp_sums[S][kWarps];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int q = 0; q < S; ++q) {
+    x[q] = warp_sum(x[q]);
+    if (lane == 0) warp_sums[q][warp] = x[q];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int q = 0; q < S; ++q) x[q] = warp_sum(lane < kWarps ? warp_sums[q][lane] : 0.0);
+  }
+}
+
+// acc[q] = Σ over the elements this thread owns in the chunk [start, start + len[q]) of row
+// i0 + q of slot s, of shift_scale(Σ_j α_j g_j)². len[q] is 0 for a row past the batch. Combination
+// and shift/scale in fp32, as on every backend. The square is taken in fp64: the square of an fp32
+// value is exact there and cannot overflow, and it costs the same one conversion and one fp64
+// instruction per element as squaring in fp32 and adding in fp64.
 template <typename T, bool kShift, bool kScale, bool kVec>
-__device__ __forceinline__ double sumsq_thread(const SumsqArgs& a, int s, int64_t offset, int64_t start,
-                                               int len) {
-  constexpr int N = ilp(sizeof(T));
+__device__ __forceinline__ void sumsq_thread(const SumsqArgs& a, int s, int64_t n, int64_t start, int64_t i0,
+                                             const int (&len)[kSumsqSamples], double (&acc)[kSumsqSamples]) {
+  // Elements per thread and step: one 128-bit vector, or on the scalar path half as many single
+  // loads, so that S rows of them fit in the same registers.
+  constexpr int N = kVec ? ilp(sizeof(T)) : ilp(sizeof(T)) / 2;
+  constexpr int S = kSumsqSamples;
   constexpr int kStride = kVec ? 1 : kSumsqThreads;
   constexpr int kStep = kSumsqThreads * N;
-  // The scalar path issues N loads per step; fewer steps in flight keep it within the same registers.
-  constexpr int U = kVec ? kSumsqUnroll : kSumsqUnroll / 2;
   const int k = a.tab.k;
   const float alpha0 = a.tab.alpha[0];
-  const T* g0 = grad_row<T>(a.tab, s, 0, offset);
+  int64_t offset[S];
+#pragma unroll
+  for (int q = 0; q < S; ++q) offset[q] = (i0 + q) * n + start;
   const float* shift = kShift ? a.shift[s] + start : nullptr;
   const float* scale = kScale ? a.scale[s] + start : nullptr;
   const int first = kVec ? static_cast<int>(threadIdx.x) * N : static_cast<int>(threadIdx.x);
-  double acc = 0.0;
-  // Block-uniform trip count: a short last chunk stops after the steps it needs.
-  for (int base = first; base - first < len; base += U * kStep) {
-    float v[U][N];
+  // Block-uniform trip count: a short chunk stops after the steps it needs. Not unrolled: the S
+  // rows already keep S loads per thread in flight, and unrolling would multiply the registers.
+#pragma unroll 1
+  for (int c = first; c - first < len[0]; c += kStep) {
+    float v[S][N];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      load_elems<N, kVec, kStride>(g0, base + u * kStep, len, v[u]);
+    for (int q = 0; q < S; ++q) {
+      load_elems<N, kVec, kStride>(grad_row<T>(a.tab, s, 0, offset[q]), c, len[q], v[q]);
 #pragma unroll
-      for (int e = 0; e < N; ++e) v[u][e] *= alpha0;
+      for (int e = 0; e < N; ++e) v[q][e] *= alpha0;
     }
+#pragma unroll 1
     for (int j = 1; j < k; ++j) {
-      const T* gj = grad_row<T>(a.tab, s, j, offset);
       const float aj = a.tab.alpha[j];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int q = 0; q < S; ++q) {
         float x[N];
-        load_elems<N, kVec, kStride>(gj, base + u * kStep, len, x);
+        load_elems<N, kVec, kStride>(grad_row<T>(a.tab, s, j, offset[q]), c, len[q], x);
 #pragma unroll
-        for (int e = 0; e < N; ++e) v[u][e] = fmaf(aj, x[e], v[u][e]);
+        for (int e = 0; e < N; ++e) v[q][e] = fmaf(aj, x[e], v[q][e]);
       }
     }
+    float sh[N], sc[N];
+    if constexpr (kShift) load_elems<N, kVec, kStride>(shift, c, len[0], sh);
+    if constexpr (kScale) load_elems<N, kVec, kStride>(scale, c, len[0], sc);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + u * kStep;
-      float sh[N], sc[N];
-      if constexpr (kShift) load_elems<N, kVec, kStride>(shift, c, len, sh);
-      if constexpr (kScale) load_elems<N, kVec, kStride>(scale, c, len, sc);
+    for (int q = 0; q < S; ++q) {
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         // Out-of-range lanes hold 0, but (0 - shift) * scale need not be 0.
-        if (in_range<kVec, kStride>(c, e, len)) {
-          const double y = shift_scale<kShift, kScale>(v[u][e], kShift ? sh[e] : 0.f, kScale ? sc[e] : 1.f);
-          acc = fma(y, y, acc);
+        if (in_range<kVec, kStride>(c, e, len[q])) {
+          const double y = shift_scale<kShift, kScale>(v[q][e], kShift ? sh[e] : 0.f, kScale ? sc[e] : 1.f);
+          acc[q] = fma(y, y, acc[q]);
         }
       }
     }
   }
-  return acc;
 }
 
 // partial[i, chunk_base + b] = Σ_{e in chunk b} shift_scale(Σ_j α_j g_j[i, e], shift[e], scale[e])²
-// for block b, in fp64. Grid (chunks, min(B, 65535)); blockIdx.y strides over the samples.
+// in fp64, for chunk b = blockIdx.y and the kSumsqSamples samples i of blockIdx.x. Samples vary
+// fastest over the grid, so the blocks that reread one chunk of shift/scale run close together
+// and find it in L2.
 template <typename T, bool kShift, bool kScale>
-__global__ void __launch_bounds__(kSumsqThreads)
+__global__ void __launch_bounds__(kSumsqThreads, kSumsqMinBlocks)
     per_sample_sumsq_kernel(const __grid_constant__ SumsqArgs a, int64_t B, int64_t num_chunks,
                             double* __restrict__ partial) {
   constexpr int64_t kChunk = sumsq_chunk(sizeof(T));
-  __shared__ double warp_sums[kSumsqThreads / kWarp];
-  const int s = a.tab.block_slot[blockIdx.x];
+  constexpr int S = kSumsqSamples;
+  const int s = a.tab.block_slot[blockIdx.y];
   const int64_t n = a.tab.numel[s];
   const int64_t start =
-      int64_t{a.tab.first_chunk[s] + static_cast<int32_t>(blockIdx.x) - a.tab.first_block[s]} * kChunk;
-  const int len = static_cast<int>(std::min(kChunk, n - start));
-  const bool vec = a.tab.vec_ok[s] != 0;
-  double* out = partial + a.chunk_base + blockIdx.x;
-  for (int64_t i = blockIdx.y; i < B; i += gridDim.y) {
-    const int64_t offset = i * n + start;
-    const double mine = vec ? sumsq_thread<T, kShift, kScale, true>(a, s, offset, start, len)
-                            : sumsq_thread<T, kShift, kScale, false>(a, s, offset, start, len);
-    const double total = block_sum<kSumsqThreads>(mine, warp_sums);
-    if (threadIdx.x == 0) out[i * num_chunks] = total;
+      int64_t{a.tab.first_chunk[s] + static_cast<int32_t>(blockIdx.y) - a.tab.first_block[s]} * kChunk;
+  const int64_t i0 = int64_t{blockIdx.x} * S;
+  int len[S];
+#pragma unroll
+  for (int q = 0; q < S; ++q) len[q] = i0 + q < B ? static_cast<int>(std::min(kChunk, n - start)) : 0;
+  double acc[S];
+#pragma unroll
+  for (int q = 0; q < S; ++q) acc[q] = 0.0;
+  if (a.tab.vec_ok[s]) {
+    sumsq_thread<T, kShift, kScale, true>(a, s, n, start, i0, len, acc);
+  } else {
+    sumsq_thread<T, kShift, kScale, false>(a, s, n, start, i0, len, acc);
+  }
+  block_sums<kSumsqThreads>(acc);
+  if (threadIdx.x == 0) {
+    double* out = partial + i0 * num_chunks + a.chunk_base + blockIdx.y;
+#pragma unroll
+    for (int q = 0; q < S; ++q) {
+      if (len[q] > 0) out[q * num_chunks] = acc[q];
+    }
   }
 }
 
@@ -322,8 +351,8 @@ __global__ void __launch_bounds__(kReduceThreads)
 // The next call may come right after the caller's last read of row/w: its first barrier waits for
 // every thread, and nothing before that barrier writes row or w.
 template <int kThreads>
-__device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights, int64_t L, int l, int64_t i0,
-                                               int64_t B, int* row, float* w, int* warp_counts) {
+__device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights, int64_t L, int l,
+                                               int64_t i0, int64_t B, int* row, float* w, int* warp_counts) {
   constexpr int kWarps = kThreads / kWarp;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t i = i0 + threadIdx.x;
@@ -350,8 +379,8 @@ __device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights
 
 // acc += Σ_u c_u g_{j_u}[i0 + row[m_u], start + this thread's offsets] over the next U (sample, set)
 // pairs (m_u, j_u) of the compacted list in (sample, set) order, with c_u = w[m_u] α_{j_u}; advances
-// (m, j) past them. The CPU kernel uses the same order and the same fp32 rounding, so the two agree
-// bitwise. All U rows are loaded before the first is used, so U * 16 bytes per thread are in flight.
+// (m, j) past them. This is the order and rounding of the CPU kernel's FMA loop, so the two backends
+// agree bitwise there. All U rows are loaded before the first is used: U loads per thread in flight.
 template <typename T, bool kVec, int U>
 __device__ __forceinline__ void wsum_rows(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
                                           int len, int64_t i0, const int* row, const float* w, int& m, int& j,
@@ -392,10 +421,10 @@ __device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n
   for (; r < rows; ++r) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
 }
 
-// S_l[c] = Σ_{i : w[i, l] != 0} w[i, l] Σ_j α_j g_j[i, c] for the columns c of chunk b, accumulated
-// in fp32 in sample order and written once. Grid (chunks).
+// S_l[c] = Σ_{i : w[i, l] != 0} Σ_j (w[i, l] α_j) g_j[i, c] for the columns c of chunk b =
+// blockIdx.x, accumulated in fp32 in (sample, set) order and written once. Grid (chunks).
 template <typename T>
-__global__ void __launch_bounds__(kWsumThreads)
+__global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
     weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
                         int64_t L) {
   constexpr int N = ilp(sizeof(T));
@@ -478,7 +507,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void check_one_device(at::TensorList grads, at::TensorList shift, at::TensorList scale) {
   const c10::Device dev = grads[0].device();
   for (size_t t = 0; t < grads.size(); ++t) {
-    DPK_CHECK(grads[t].device() == dev, "grads[", t, "] is on ", grads[t].device(), " but grads[0] is on ", dev);
+    DPK_CHECK(grads[t].device() == dev, "grads[", t, "] is on ", grads[t].device(), " but grads[0] is on ",
+              dev);
   }
   for (size_t t = 0; t < shift.size(); ++t) {
     DPK_CHECK(shift[t].device() == dev, "shift[", t, "] is on ", shift[t].device(), ", expected ", dev);
@@ -587,11 +617,14 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
   DPK_CHECK(num_chunks <= std::numeric_limits<int32_t>::max(), "too many elements per sample: ", num_chunks,
             " chunks");
 
-  auto partial = at::empty({lay.B, num_chunks}, opts);
-  auto out = at::empty({lay.B, lay.L}, opts);
+  // Both are written in full (new_output poisons them under the test suite, which would expose a
+  // missed partial as a NaN sum).
+  auto partial = new_output({lay.B, num_chunks}, opts);
+  auto out = new_output({lay.B, lay.L}, opts);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool has_shift = !shift.empty(), has_scale = !scale.empty();
-  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(lay.B, 65535));
+  const int64_t sample_groups = ceil_div(lay.B, kSumsqSamples);
+  DPK_CHECK(sample_groups <= std::numeric_limits<int32_t>::max(), "batch too large: ", lay.B);
 
   SumsqArgs args{};
   set_coeffs(args.tab, coeffs);
@@ -603,7 +636,8 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
         constexpr bool kShift = decltype(shift_tag)::value, kScale = decltype(scale_tag)::value;
         const auto fill = [&](SumsqArgs& a, int slot, int64_t l) {
           bool ok = grads_vec_ok(grads, lay, l);
-          for (int64_t j = 0; j < lay.k; ++j) a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
+          for (int64_t j = 0; j < lay.k; ++j)
+            a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
           a.shift[slot] = kShift ? shift[l].const_data_ptr<float>() : nullptr;
           a.scale[slot] = kScale ? scale[l].const_data_ptr<float>() : nullptr;
           ok = ok && (!kShift || aligned16(a.shift[slot])) && (!kScale || aligned16(a.scale[slot]));
@@ -612,7 +646,8 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
         const auto launch = [&](SumsqArgs& a, int blocks) {
           a.chunk_base = launched;
           per_sample_sumsq_kernel<scalar_t, kShift, kScale>
-              <<<dim3(blocks, grid_y), kSumsqThreads, 0, stream>>>(a, lay.B, num_chunks, partial.data_ptr<double>());
+              <<<dim3(static_cast<unsigned>(sample_groups), blocks), kSumsqThreads, 0, stream>>>(
+                  a, lay.B, num_chunks, partial.data_ptr<double>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           launched += blocks;
         };
@@ -632,6 +667,7 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
       ranges.len[e] = static_cast<int32_t>(chunk_len[l0 + e]);
     }
     const int64_t blocks = ceil_div(lay.B * ranges.count * kWarp, kReduceThreads);
+    DPK_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "batch too large: ", lay.B);
     sumsq_reduce_kernel<<<static_cast<unsigned>(blocks), kReduceThreads, 0, stream>>>(
         ranges, lay.B, lay.L, num_chunks, partial.const_data_ptr<double>(), out.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -639,12 +675,12 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
   return out;
 }
 
-at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm, c10::string_view mode,
-                             double r) {
+at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm,
+                             c10::string_view mode, double r) {
   DPK_CHECK(norms.is_cuda(), "norms must be a CUDA tensor for the cuda kernel, got ", norms.device());
   const std::vector<double> C = clip_bounds(max_grad_norm, norms);
   const ClipMode m = parse_clip_mode(mode);
-  auto out = at::empty_like(norms);
+  auto out = new_output(norms.sizes(), norms.options());
   if (norms.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(norms.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -654,7 +690,8 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
     const auto launch = [&](const BoundArgs& a, int64_t rows, int64_t cols) {
       const int64_t blocks = std::min<int64_t>(ceil_div(rows * a.count, kClipThreads), 65535);
       clip_factors_kernel<scalar_t><<<static_cast<unsigned>(blocks), kClipThreads, 0, stream>>>(
-          a, norms.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, cols, m, static_cast<scalar_t>(r));
+          a, norms.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, cols, m,
+          static_cast<scalar_t>(r));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     BoundArgs a{};
@@ -684,8 +721,9 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
   DPK_CHECK(weights.device() == grads[0].device() && weights.scalar_type() == at::kFloat &&
                 weights.is_contiguous() && weights.dim() == 2 && weights.size(0) == lay.B &&
                 weights.size(1) == lay.L,
-            "weights must be a contiguous float32 tensor [B=", lay.B, ", L=", lay.L, "] on ", grads[0].device(),
-            ", got ", weights.sizes(), " ", weights.scalar_type(), " on ", weights.device());
+            "weights must be a contiguous float32 tensor [B=", lay.B, ", L=", lay.L, "] on ",
+            grads[0].device(), ", got ", weights.sizes(), " ", weights.scalar_type(), " on ",
+            weights.device());
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto opts = grads[0].options().dtype(at::kFloat);
   std::vector<at::Tensor> out;
@@ -693,7 +731,7 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
   for (int64_t l = 0; l < lay.L; ++l) {
     const auto shape = grads[l].sizes().slice(1);
     // An empty batch sums to zero; otherwise the kernel writes every element.
-    out.push_back(lay.B == 0 ? at::zeros(shape, opts) : at::empty(shape, opts));
+    out.push_back(lay.B == 0 ? at::zeros(shape, opts) : new_output(shape, opts));
   }
   if (lay.B == 0) return out;
 
@@ -705,7 +743,8 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
     if (groups[g].empty()) continue;
     DPK_DISPATCH_GRAD_TYPES(kGradTypes[g], "weighted_sum", [&] {
       const auto fill = [&](WsumArgs& a, int slot, int64_t l) {
-        for (int64_t j = 0; j < lay.k; ++j) a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
+        for (int64_t j = 0; j < lay.k; ++j)
+          a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
         a.out[slot] = out[l].data_ptr<float>();
         a.tab.vec_ok[slot] = grads_vec_ok(grads, lay, l) && aligned16(a.out[slot]);
       };
