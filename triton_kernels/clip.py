@@ -32,6 +32,7 @@ Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Sequence
@@ -92,6 +93,16 @@ def _load_coeff(coeff_bits, j):
 
 
 @triton.jit
+def _typed_ptr(addr_table, slot, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """The address at ``addr_table[slot]`` as an ``ELEM*``; with ``ALIGNED``, hinted 16-byte aligned."""
+    p = tl.load(addr_table + slot).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        # Must sit on the typed pointer: a hint on the int64 address is lost by the int->ptr cast.
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
 def _per_sample_sumsq_kernel(
     grad_ptrs,
     shift_ptrs,
@@ -138,21 +149,13 @@ def _per_sample_sumsq_kernel(
 
     v = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        addr = tl.load(grad_ptrs + j * T + t)
-        if ALIGNED:
-            addr = tl.multiple_of(addr, 16)
-        g = tl.load(addr.to(tl.pointer_type(ELEM)) + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(_typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED) + offs, mask=mask, other=0.0)
+        g = g.to(tl.float32)
         v += _load_coeff(coeff_bits, j) * g
     if HAS_SHIFT:
-        addr = tl.load(shift_ptrs + t)
-        if ALIGNED:
-            addr = tl.multiple_of(addr, 16)
-        v -= tl.load(addr.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+        v -= tl.load(_typed_ptr(shift_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     if HAS_SCALE:
-        addr = tl.load(scale_ptrs + t)
-        if ALIGNED:
-            addr = tl.multiple_of(addr, 16)
-        v *= tl.load(addr.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+        v *= tl.load(_typed_ptr(scale_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     # Masked lanes are exactly 0 here (0 loads, 0 shift, 0 scale), so they add nothing.
     v64 = v.to(tl.float64)
     tl.store(partial_ptr + i * n_cols + col0 + c, tl.sum(v64 * v64, axis=0))
@@ -181,6 +184,18 @@ def _segment_sum_kernel(partial_ptr, n_cols, seg_first, seg_count, out_ptr, L, B
 
 
 @triton.jit
+def _div_rn(a, b):
+    # IEEE round-to-nearest division, as torch and the C++ kernels do: Triton's fp32 `/` lowers
+    # to div.full.f32 (up to 2 ulp off), which could push c·n a hair above C. fp64 `/` is
+    # already div.rn.f64.
+    if a.dtype == tl.float32:
+        a, b = tl.broadcast(a, b)
+        return tl.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
 def _clip_factors_kernel(norms_ptr, params_ptr, out_ptr, N, L_C, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """``out[e] = f(norms[e])`` elementwise in the dtype of ``norms`` (fp32 or fp64).
 
@@ -198,15 +213,15 @@ def _clip_factors_kernel(norms_ptr, params_ptr, out_ptr, N, L_C, MODE: tl.conste
     C = tl.load(params_ptr + 1 + offs % L_C, mask=mask, other=1.0)
     r = tl.load(params_ptr)
     if MODE == 0:
-        w = C / (n + tl.full([], CLIP_EPS, dt))
+        w = _div_rn(C, n + tl.full([], CLIP_EPS, dt))
         w = tl.where(w > 1, tl.full([], 1.0, dt), w)
     elif MODE == 1:
-        w = C / (n + r)
+        w = _div_rn(C, n + r)
     elif MODE == 2:
         floor = tl.full([], AUTO_V_MIN_NORM, dt)
-        w = C / tl.where(n < floor, floor, n)
+        w = _div_rn(C, tl.where(n < floor, floor, n))
     else:
-        w = C / (n + r / (n + r))
+        w = _div_rn(C, n + _div_rn(r, n + r))
     tl.store(out_ptr + offs, w, mask=mask)
 
 
@@ -255,10 +270,7 @@ def _weighted_sum_kernel(
     ptrs = ()
     alphas = ()
     for j in tl.static_range(K):
-        addr = tl.load(grad_ptrs + j * T + t)
-        if ALIGNED:
-            addr = tl.multiple_of(addr, 16)
-        ptrs = ptrs + (addr.to(tl.pointer_type(ELEM)),)
+        ptrs = ptrs + (_typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED),)
         alphas = alphas + (_load_coeff(coeff_bits, j),)
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -274,12 +286,9 @@ def _weighted_sum_kernel(
             for j in tl.static_range(K):
                 g = tl.load(ptrs[j] + i * n + idx, mask=mask, other=0.0).to(tl.float32)
                 v += alphas[j] * g
-            acc += tl.where(w != 0, w * v, 0.0)
+            acc += w * tl.where(w != 0, v, 0.0)
 
-    addr = tl.load(out_ptrs + t)
-    if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    tl.store(addr.to(tl.pointer_type(tl.float32)) + idx, acc, mask=col_mask)
+    tl.store(_typed_ptr(out_ptrs, t, tl.float32, ALIGNED) + idx, acc, mask=col_mask)
 
 
 # =============================================================================================
@@ -299,21 +308,30 @@ class _Meta:
     """Collects every int64 table of one host call; ``finish`` copies them to the device at once."""
 
     def __init__(self) -> None:
-        self._values: list[int] = []
+        self._parts: list[torch.Tensor] = []
         self._spans: list[tuple[int, int]] = []
+        self._size = 0
         self.tensor: torch.Tensor | None = None
 
-    def add(self, values: Sequence[int]) -> int:
+    def add(self, values: Sequence[int] | torch.Tensor) -> int:
+        part = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
         # Start each table on a 16-byte boundary so Triton sees the same pointer alignment for
         # every slice (one compiled variant instead of two).
-        if len(self._values) % 2:
-            self._values.append(0)
-        self._spans.append((len(self._values), len(values)))
-        self._values.extend(values)
+        if self._size % 2:
+            self._parts.append(torch.zeros(1, dtype=torch.int64))
+            self._size += 1
+        self._spans.append((self._size, part.numel()))
+        self._parts.append(part)
+        self._size += part.numel()
         return len(self._spans) - 1
 
     def finish(self, device: torch.device) -> None:
-        self.tensor = torch.tensor(self._values or [0], dtype=torch.int64, device=device)
+        host = torch.cat([*self._parts, torch.zeros(1, dtype=torch.int64)])
+        if device.type == "cuda":
+            # Pinned + non_blocking keeps the host from waiting on the copy; the caching host
+            # allocator holds the buffer until the copy has run.
+            host = host.pin_memory()
+        self.tensor = host.to(device, non_blocking=True)
 
     def __getitem__(self, handle: int) -> torch.Tensor:
         begin, count = self._spans[handle]
@@ -344,7 +362,9 @@ def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, 
         for idx, g in enumerate(gs):
             ref = sets[0][idx]
             if g.dtype not in _TL_DTYPES:
-                raise TypeError(f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16")
+                raise TypeError(
+                    f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16"
+                )
             if g.dim() == 0 or g.shape[0] != B or g.device != device:
                 raise ValueError(f"grad_sets[{j}][{idx}] must be [B={B}, ...] on {device}")
             if g.shape != ref.shape or g.dtype != ref.dtype:
@@ -361,8 +381,8 @@ def _vectors(vecs, sets, L, device, name) -> list[torch.Tensor] | None:
         raise ValueError(f"{name} must hold {L} tensors, one per parameter, got {len(vecs)}")
     out = []
     for idx, (v, g) in enumerate(zip(vecs, sets[0], strict=True)):
-        if v.numel() != g[0].numel() or v.device != device:
-            raise ValueError(f"{name}[{idx}] must have {g[0].numel()} elements on {device}")
+        if v.numel() != _row_numel(g) or v.device != device:
+            raise ValueError(f"{name}[{idx}] must have {_row_numel(g)} elements on {device}")
         out.append(v.to(torch.float32).contiguous())
     return out
 
@@ -392,26 +412,21 @@ def _row_numel(g: torch.Tensor) -> int:
     return n
 
 
-def _chunks(numels: Sequence[int], block: int) -> tuple[list[int], list[int]]:
-    """Chunk table: for each ``block``-element chunk, its tensor slot and first element."""
-    slots, starts = [], []
-    for slot, n in enumerate(numels):
-        for s in range(0, n, block):
-            slots.append(slot)
-            starts.append(s)
+def _chunks(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk table: for each ``block``-element chunk, its tensor slot and first element.
+
+    Built with tensor ops: a billion-parameter model has ~10^6 chunks, too many for a Python loop
+    on every step. A tensor's chunks are consecutive entries.
+    """
+    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+    slots = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
+    first = torch.cumsum(counts, 0) - counts
+    starts = (torch.arange(slots.numel(), dtype=torch.int64) - first[slots]) * block
     return slots, starts
 
 
 def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else _NullGuard()
-
-
-class _NullGuard:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # =============================================================================================
@@ -456,7 +471,7 @@ def per_sample_sumsq(
         for s, n in zip(grp.slots, numels, strict=True):
             seg_first[s], seg_count[s] = col, -(-n // SUMSQ_BLOCK)
             col += seg_count[s]
-        if not slots:
+        if slots.numel() == 0:
             continue
         handles = dict(
             grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
@@ -466,7 +481,7 @@ def per_sample_sumsq(
             chunk_slot=meta.add(slots),
             chunk_start=meta.add(starts),
         )
-        launches.append((grp, handles, len(slots), col0))
+        launches.append((grp, handles, slots.numel(), col0))
     first_h, count_h = meta.add(seg_first), meta.add(seg_count)
     meta.finish(device)
 
@@ -560,7 +575,7 @@ def weighted_sum(
     for grp in _groups(sets, (outs,)):
         numels = [_row_numel(sets[0][s]) for s in grp.slots]
         slots, starts = _chunks(numels, WSUM_BLOCK)
-        if not slots:
+        if slots.numel() == 0:
             continue
         handles = dict(
             grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
@@ -570,7 +585,7 @@ def weighted_sum(
             chunk_slot=meta.add(slots),
             chunk_start=meta.add(starts),
         )
-        launches.append((grp, handles, len(slots)))
+        launches.append((grp, handles, slots.numel()))
     meta.finish(device)
 
     with _device_guard(device):

@@ -1,0 +1,467 @@
+"""Static check of the GPU code, on a machine without a GPU (DESIGN.md §5).
+
+Compiles the real GPU code ahead of time and inspects what the compilers produced:
+
+1. Every Triton kernel in ``triton_kernels/clip.py`` goes through ``triton.compile`` with an
+   ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming kernel (the two that read the
+   ``B×D`` per-sample gradients) fails the check unless its PTX has 128-bit global loads
+   (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. Registers and spills come from
+   running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
+2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
+   in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, or a
+   compile error, fails the check. No ``.cu`` files, or no ``nvcc``, is reported as skipped.
+   Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
+   about twice as slow, since the torch headers then go through g++ as well).
+
+Usage::
+
+    python tools/gpu_static_check.py [--json PATH] [--arch 80 90] [--skip-triton] [--skip-cuda] [--host]
+
+Exit status 0 when every check passes. Importable: :func:`check_triton`, :func:`check_cuda` and
+:func:`run_all` return plain dicts (the JSON written by ``--json``).
+
+The Triton part runs in a subprocess with ``TRITON_INTERPRET`` removed from its environment:
+under the interpreter ``@triton.jit`` yields interpreted functions, which cannot be compiled,
+and a test session usually has the interpreter on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ARCHS = (80, 90)
+STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
+
+# A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
+_LD_RE = re.compile(r"\bld\.global[\w.:]*")
+_ST_RE = re.compile(r"\bst\.global[\w.:]*")
+_WIDE = (".v4.b32", ".v4.f32", ".v4.u32", ".v4.s32", ".v2.b64", ".v2.f64", ".v2.u64", ".v2.s64")
+
+
+def _is_128(op: str) -> bool:
+    return any(w in op for w in _WIDE)
+
+
+# ---------------------------------------------------------------------------------------------
+# ptxas -v output
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_ptxas_log(log: str) -> dict[tuple[str, str], dict]:
+    """``{(function, arch): {registers, spill_stores, spill_loads, stack}}`` from ``ptxas -v``.
+
+    ptxas prints, per function: ``Compiling entry function 'F' for 'sm_90'``, then
+    ``Function properties for F`` followed by ``N bytes stack frame, N bytes spill stores, N bytes
+    spill loads`` and ``Used N registers``. Non-entry device functions that were not inlined get
+    their own properties block; they are reported too (their spills are spills as well).
+    """
+    out: dict[tuple[str, str], dict] = {}
+    arch = "?"
+    current = None
+    props_for = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(\w+)'", line)
+        if m:
+            current, arch = m.group(1), m.group(2)
+            out.setdefault((current, arch), {})
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            props_for = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and props_for is not None:
+            rec = out.setdefault((props_for, arch), {})
+            rec.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            props_for = None
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            out[(current, arch)]["registers"] = int(m.group(1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+
+def _triton_specs():
+    """``(kernel, variant, signature, constexprs, num_warps)`` for every compiled variant.
+
+    Scalars are ``i32`` and pointers 16-byte aligned, which is what the JIT specialises to for
+    torch allocations and for the int64 metadata slices the launchers pass.
+    """
+    import triton.language as tl
+
+    from triton_kernels import clip as tk
+
+    ptr_tables = (
+        "grad_ptrs",
+        "shift_ptrs",
+        "scale_ptrs",
+        "coeff_bits",
+        "numels",
+        "chunk_slot",
+        "chunk_start",
+    )
+    sumsq_sig = {n: "*i64" for n in ptr_tables}
+    sumsq_sig.update(partial_ptr="*fp64", n_cols="i32", col0="i32", row0="i32", T="i32")
+    wsum_sig = {n: "*i64" for n in ("grad_ptrs", "out_ptrs", "coeff_bits", "numels", "layer_ids")}
+    wsum_sig.update(chunk_slot="*i64", chunk_start="*i64", weights_ptr="*fp32")
+    wsum_sig.update(w_stride_b="i32", w_stride_l="i32", B="i32", T="i32")
+    seg_sig = dict(
+        partial_ptr="*fp64", n_cols="i32", seg_first="*i64", seg_count="*i64", out_ptr="*fp64", L="i32"
+    )
+
+    specs = []
+    for name, elem in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
+        vec = 4 if name == "fp32" else 8
+        for K, shift in ((1, False), (2, True)):
+            variant = f"{name} k={K}" + (" shift+scale" if shift else "")
+            consts = dict(
+                K=K, HAS_SHIFT=shift, HAS_SCALE=shift, ELEM=elem, BLOCK=tk.SUMSQ_BLOCK, ALIGNED=True, VEC=vec
+            )
+            specs.append((tk._per_sample_sumsq_kernel, variant, sumsq_sig, consts, tk.SUMSQ_NUM_WARPS))
+        for K in (1, 2):
+            consts = dict(K=K, ELEM=elem, BLOCK=tk.WSUM_BLOCK, ROWS=tk.WSUM_ROWS, ALIGNED=True, VEC=vec)
+            specs.append((tk._weighted_sum_kernel, f"{name} k={K}", wsum_sig, consts, tk.WSUM_NUM_WARPS))
+    specs.append((tk._segment_sum_kernel, "fp64", seg_sig, dict(BLOCK=tk.SEGMENT_BLOCK), 4))
+    for name in ("fp32", "fp64"):
+        sig = dict(norms_ptr=f"*{name}", params_ptr=f"*{name}", out_ptr=f"*{name}", N="i32", L_C="i32")
+        for mode, mode_id in tk._MODE_IDS.items():
+            consts = dict(MODE=mode_id, BLOCK=tk.CLIP_BLOCK)
+            specs.append((tk._clip_factors_kernel, f"{name} {mode}", sig, consts, 4))
+    return specs
+
+
+def _ptxas_resources(ptx: str, ptxas: str, workdir: Path) -> dict:
+    target = re.search(r"^\s*\.target\s+(\w+)", ptx, re.M).group(1)
+    src = workdir / "k.ptx"
+    src.write_text(ptx)
+    # Same flags as triton/backends/nvidia/compiler.py make_cubin, so the numbers are the ones
+    # the JIT would get.
+    cmd = [ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={target}", str(src)]
+    cmd += ["-o", str(workdir / "k.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        return {"ptxas_error": (res.stderr or res.stdout)[-2000:]}
+    parsed = parse_ptxas_log(res.stderr + res.stdout)
+    # One entry per Triton kernel; merge the entry and its properties block.
+    merged: dict = {}
+    for rec in parsed.values():
+        merged.update(rec)
+    return merged
+
+
+def _triton_worker(archs: list[int]) -> list[dict]:
+    """Compile every variant for every arch, in this process (which must not be interpreting)."""
+    sys.path.insert(0, str(ROOT))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = triton.knobs.nvidia.ptxas.path
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dpk_static_") as tmp:
+        for fn, variant, sig, consts, num_warps in _triton_specs():
+            names = fn.arg_names
+            signature = {n: ("constexpr" if n in consts else sig[n]) for n in names}
+            missing = [n for n in names if n not in consts and n not in sig]
+            if missing:
+                raise RuntimeError(f"{fn.__name__}: no signature entry for {missing}; update _triton_specs")
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")}
+            for arch in archs:
+                rec = {
+                    "kernel": fn.__name__,
+                    "variant": variant,
+                    "arch": f"sm_{arch}",
+                    "num_warps": num_warps,
+                }
+                rec["streaming"] = fn.__name__ in STREAMING_KERNELS
+                t0 = time.perf_counter()
+                try:
+                    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+                    compiled = triton.compile(
+                        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+                    )
+                except Exception as exc:  # a kernel that does not compile is a failed check
+                    rec.update(ok=False, problems=[f"compile error: {type(exc).__name__}: {str(exc)[:1500]}"])
+                    results.append(rec)
+                    continue
+                rec["compile_s"] = round(time.perf_counter() - t0, 2)
+                ptx = compiled.asm["ptx"]
+                loads = Counter(_LD_RE.findall(ptx))
+                stores = Counter(_ST_RE.findall(ptx))
+                rec["loads_128"] = sum(c for op, c in loads.items() if _is_128(op))
+                rec["loads_narrow"] = sum(c for op, c in loads.items() if not _is_128(op))
+                rec["stores_128"] = sum(c for op, c in stores.items() if _is_128(op))
+                rec["load_ops"] = dict(loads)
+                rec["local_memory"] = bool(re.search(r"\.local\b", ptx))
+                rec["shared_bytes"] = compiled.metadata.shared
+                arch_dir = Path(tmp) / f"{fn.__name__}_{arch}"
+                arch_dir.mkdir(exist_ok=True)
+                rec.update(_ptxas_resources(ptx, ptxas, arch_dir))
+                problems = []
+                if "ptxas_error" in rec:
+                    problems.append("ptxas failed on the Triton PTX")
+                if rec["streaming"] and rec["loads_128"] == 0:
+                    problems.append("no 128-bit global loads (ld.global.v4) in a streaming kernel")
+                if rec["streaming"] and rec["local_memory"]:
+                    problems.append("uses local memory (.local) in a streaming kernel")
+                if rec.get("spill_stores", 0) or rec.get("spill_loads", 0):
+                    problems.append(f"spills {rec['spill_stores']} B stores / {rec['spill_loads']} B loads")
+                rec.update(ok=not problems, problems=problems)
+                results.append(rec)
+    return results
+
+
+def check_triton(archs=DEFAULT_ARCHS, timeout: float = 600) -> dict:
+    """AOT-compile the Triton kernels for ``archs``; ``{"status", "results", "elapsed_s"}``.
+
+    Runs in a subprocess without ``TRITON_INTERPRET`` (see the module docstring).
+    """
+    t0 = time.perf_counter()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return {"status": "skipped", "reason": "triton is not installed", "results": [], "elapsed_s": 0.0}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--triton-worker", "--arch", *map(str, archs)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    elapsed = round(time.perf_counter() - t0, 1)
+    payload = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+    if res.returncode != 0 or not payload.startswith("["):
+        tail = (res.stderr or res.stdout)[-3000:]
+        return {
+            "status": "failed",
+            "reason": f"worker exited {res.returncode}: {tail}",
+            "results": [],
+            "elapsed_s": elapsed,
+        }
+    results = json.loads(payload)
+    status = "ok" if all(r["ok"] for r in results) else "failed"
+    return {"status": status, "results": results, "elapsed_s": elapsed}
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA C++
+# ---------------------------------------------------------------------------------------------
+
+
+def _site_include_dirs() -> list[str]:
+    import site
+
+    dirs = []
+    for spec in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cusparse/include"):
+        for sp in map(Path, site.getsitepackages()):
+            if (sp / spec).is_dir():
+                dirs.append(str(sp / spec))
+    return dirs
+
+
+def nvcc_command(source: Path, out: Path, archs=DEFAULT_ARCHS, host: bool = False) -> list[str]:
+    """The nvcc line: setup.py's CUDA flags and includes, every arch at once, ``ptxas -v``.
+
+    By default only the device code is compiled (``-fatbin``): registers and spills come from
+    ptxas, and the host pass over the torch headers would double the time without telling
+    anything about them (the wheel build compiles the host side anyway). ``host=True`` runs the
+    full ``-c`` compile instead.
+    """
+    import torch
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # CUDA_HOME guess noise
+    from torch.utils import cpp_extension
+
+    torch_inc = Path(torch.__file__).parent / "include"
+    includes = [ROOT / "csrc/include", torch_inc, torch_inc / "torch/csrc/api/include"]
+    includes += [*_site_include_dirs(), sysconfig.get_paths()["include"]]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [shutil.which("nvcc") or "nvcc", "-c" if host else "-fatbin", str(source), "-o", str(out)]
+    # setup.py's nvcc flags (-std=c++20 there, so here too) plus what CUDAExtension adds.
+    cmd += ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    cmd += [f for f in cpp_extension.COMMON_NVCC_FLAGS if f not in cmd]
+    cmd += ["-DDPK_WITH_CUDA=1", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Xptxas", "-v", "--threads", str(len(archs))]
+    if host:
+        cmd += ["-Xcompiler", "-fPIC"]
+    for arch in archs:
+        cmd.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    cmd += [f"-I{d}" for d in dict.fromkeys(map(str, includes))]
+    return cmd
+
+
+def _short_name(demangled: str) -> str:
+    """``per_sample_sumsq_kernel<float, true, false>`` from the full demangled signature."""
+    name = demangled.removeprefix("void ").replace("(anonymous namespace)::", "")
+    name = name.removeprefix("dpkernels::")
+    depth = 0
+    for pos, ch in enumerate(name):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0:
+            return name[:pos]
+    return name
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return {n: n for n in names}
+    res = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    return dict(zip(names, lines, strict=False)) if len(lines) == len(names) else {n: n for n in names}
+
+
+def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
+    t0 = time.perf_counter()
+    cmd = nvcc_command(source, workdir / (source.stem + (".o" if host else ".fatbin")), archs, host)
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    rec = {"source": str(source.relative_to(ROOT)), "compile_s": round(time.perf_counter() - t0, 1)}
+    rec["command"] = " ".join(cmd)
+    log = res.stderr + res.stdout
+    if res.returncode != 0:
+        errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
+        rec.update(ok=False, kernels=[], problems=["nvcc failed: " + "\n".join(errors[:20] or [log[-3000:]])])
+        return rec
+    parsed = parse_ptxas_log(log)
+    names = _demangle(sorted({fn for fn, _ in parsed}))
+    kernels, problems = [], []
+    for (fn, arch), r in sorted(parsed.items(), key=lambda kv: (names[kv[0][0]], kv[0][1])):
+        k = {"kernel": _short_name(names[fn]), "demangled": names[fn], "mangled": fn, "arch": arch, **r}
+        k["entry"] = "registers" in r
+        if r.get("spill_stores", 0) or r.get("spill_loads", 0):
+            problems.append(
+                f"{names[fn]} ({arch}) spills {r['spill_stores']} B stores / {r['spill_loads']} B loads"
+            )
+        kernels.append(k)
+    rec.update(ok=not problems, kernels=kernels, problems=problems)
+    return rec
+
+
+def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
+    """Compile ``csrc/cuda/*.cu`` for ``archs``; ``{"status", "sources", "elapsed_s"}``.
+
+    ``host``: full ``-c`` compile (host code too) instead of the device-only default.
+    """
+    t0 = time.perf_counter()
+    sources = sorted((ROOT / "csrc/cuda").glob("*.cu"))
+    if not sources:
+        return {"status": "skipped", "reason": "no csrc/cuda/*.cu files", "sources": [], "elapsed_s": 0.0}
+    if shutil.which("nvcc") is None:
+        return {"status": "skipped", "reason": "nvcc is not on PATH", "sources": [], "elapsed_s": 0.0}
+    with tempfile.TemporaryDirectory(prefix="dpk_nvcc_") as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        recs = list(pool.map(lambda s: _compile_cu(s, archs, Path(tmp), host), sources))
+    status = "ok" if all(r["ok"] for r in recs) else "failed"
+    mode = "nvcc -c" if host else "nvcc -fatbin, device code only"
+    return {"status": status, "mode": mode, "sources": recs, "elapsed_s": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def run_all(archs=DEFAULT_ARCHS, triton: bool = True, cuda: bool = True, host: bool = False) -> dict:
+    """Both checks; ``ok`` is False when either failed (skipped counts as passed)."""
+    t0 = time.perf_counter()
+    out = {"archs": [f"sm_{a}" for a in archs]}
+    # The Triton worker is a separate process, so it overlaps with nvcc.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        fut_t = pool.submit(check_triton, archs) if triton else None
+        fut_c = pool.submit(check_cuda, archs, host) if cuda else None
+        out["triton"] = fut_t.result() if fut_t else {"status": "skipped", "reason": "--skip-triton"}
+        out["cuda"] = fut_c.result() if fut_c else {"status": "skipped", "reason": "--skip-cuda"}
+    out["ok"] = all(out[k]["status"] != "failed" for k in ("triton", "cuda"))
+    out["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(lines)
+
+
+def format_report(res: dict) -> str:
+    parts = []
+    tri = res["triton"]
+    parts.append(f"== Triton kernels (triton.compile, AOT) [{tri['status']}, {tri.get('elapsed_s', 0)} s]")
+    if tri.get("reason"):
+        parts.append(f"   {tri['reason']}")
+    rows = []
+    for r in tri.get("results", []):
+        spill = f"{r.get('spill_stores', '?')}/{r.get('spill_loads', '?')}"
+        status = "OK" if r["ok"] else "FAIL: " + "; ".join(r["problems"])
+        counts = [r.get(key, "?") for key in ("loads_128", "loads_narrow", "stores_128")]
+        rows.append([
+            r["kernel"], r["variant"], r["arch"], r.get("num_warps", ""), r.get("registers", "?"), spill,
+            r.get("stack", "?"), *counts, "yes" if r.get("local_memory") else "no", status,
+        ])  # fmt: skip
+    if rows:
+        header = ["kernel", "variant", "arch", "warps", "regs", "spill st/ld B", "stack B",
+                  "ld.128", "ld.narrow", "st.128", ".local", "status"]  # fmt: skip
+        parts.append(_table(rows, header))
+    cu = res["cuda"]
+    parts.append("")
+    mode = cu.get("mode", "nvcc")
+    parts.append(f"== CUDA C++ ({mode}; ptxas -v) [{cu['status']}, {cu.get('elapsed_s', 0)} s]")
+    if cu.get("reason"):
+        parts.append(f"   {cu['reason']}")
+    for src in cu.get("sources", []):
+        parts.append(f"-- {src['source']} ({src['compile_s']} s): {'OK' if src['ok'] else 'FAIL'}")
+        rows = []
+        for k in src["kernels"]:
+            name = k["kernel"] if len(k["kernel"]) <= 70 else k["kernel"][:67] + "..."
+            spill = f"{k.get('spill_stores', '?')}/{k.get('spill_loads', '?')}"
+            rows.append([name, k["arch"], k.get("registers", "-"), spill, k.get("stack", "?")])
+        if rows:
+            parts.append(_table(rows, ["kernel", "arch", "regs", "spill st/ld B", "stack B"]))
+        for p in src["problems"]:
+            parts.append(f"   FAIL: {p}")
+    parts.append("")
+    parts.append(f"== {'PASS' if res['ok'] else 'FAIL'} ({res['elapsed_s']} s)")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument(
+        "--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (default 80 90)"
+    )
+    ap.add_argument("--skip-triton", action="store_true")
+    ap.add_argument("--skip-cuda", action="store_true")
+    ap.add_argument(
+        "--host", action="store_true", help="nvcc -c (host code too) instead of device-only -fatbin"
+    )
+    ap.add_argument("--triton-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.triton_worker:
+        print(json.dumps(_triton_worker(args.arch)))
+        return 0
+    res = run_all(args.arch, triton=not args.skip_triton, cuda=not args.skip_cuda, host=args.host)
+    print(format_report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
