@@ -18,6 +18,11 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def("clip_factors(Tensor norms, float[] max_grad_norm, str mode, float r) -> Tensor");
   // One float32 tensor per parameter: Σ_i weights[i, l] Σ_j coeffs[j] grads[j*L+l][i].
   m.def("weighted_sum(Tensor[] grads, float[] coeffs, Tensor weights) -> Tensor[]");
+  // weighted_sum with the private epilogue: (S_l + noise_l) * out_scale, noise_l = noise_std * z(global
+  // index) from Philox (seed, step, stream) generated in the same pass, or the pre-drawn noise[l] if given.
+  m.def(
+      "privatized_sum(Tensor[] grads, float[] coeffs, Tensor weights, float noise_std, int seed, int step, "
+      "int stream, float out_scale, Tensor[] noise) -> Tensor[]");
 
   // Counter-based noise (docs/RNG.md). The 64-bit seed travels as the bits of a signed int.
   // out[i] = Philox word of element offset + i, as int64 in [0, 2^32).

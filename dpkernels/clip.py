@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
+from .noise import _check_counter, _signed64, _unsigned64, fresh_seed
 from .reference import clip as ref
 
 CLIP_MODES = ref.CLIP_MODES
@@ -55,6 +56,12 @@ def _native_kernels():
         weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(
             _flat(grad_sets), list(coeffs), weights
         ),
+        privatized_sum=lambda grad_sets, weights, coeffs, noise_std, seed, step, stream, out_scale, noise: (
+            ops.privatized_sum(
+                _flat(grad_sets), list(coeffs), weights, noise_std, _signed64(seed), step, stream, out_scale,
+                list(noise or []),
+            )
+        ),
     )
 
 
@@ -70,6 +77,10 @@ if _backend.has_cpu_kernels():
 
     @torch.library.register_fake("dpkernels_C::weighted_sum")
     def _(grads, coeffs, weights):
+        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
+
+    @torch.library.register_fake("dpkernels_C::privatized_sum")
+    def _(grads, coeffs, weights, noise_std, seed, step, stream, out_scale, noise):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
 
@@ -164,6 +175,39 @@ def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite,
     B = grads[0].shape[0]
     sums = [g.new_empty(g.shape[1:], dtype=dtype) for g in grads[:L]]
     return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=dtype)
+
+
+@torch.library.custom_op("dpkernels::privatize", mutates_args=())
+def _privatize_op(
+    grads: list[Tensor],
+    coeffs: list[float],
+    max_grad_norm: list[float],
+    noise_std: float,
+    seed: int,
+    step: int,
+    stream: int,
+    out_scale: float,
+    mode: str,
+    r: float,
+    shift: list[Tensor],
+    scale: list[Tensor],
+    per_layer: bool,
+    noise: list[Tensor],
+    nonfinite: str,
+    backend: str,
+) -> list[Tensor]:
+    kernels = _kernels(backend)
+    sets = _unflatten(grads, len(coeffs))
+    C = max_grad_norm if per_layer else max_grad_norm[0]
+    w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
+    return kernels.privatized_sum(sets, w, coeffs, noise_std, _unsigned64(seed), step, stream, out_scale, noise or None)
+
+
+@_privatize_op.register_fake
+def _(grads, coeffs, max_grad_norm, noise_std, seed, step, stream, out_scale, mode, r, shift, scale, per_layer,
+      noise, nonfinite, backend):  # fmt: skip
+    L = len(grads) // len(coeffs)
+    return [g.new_empty(g.shape[1:], dtype=_out_dtype(grads)) for g in grads[:L]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,6 +395,71 @@ def weighted_sum(grad_samples, weights: Tensor, *, coeffs=None, backend="auto") 
         weights = weights[:, None].expand(-1, batch.L)
     w = weights.to(_out_dtype(batch.grads)).contiguous()
     return _weighted_sum_op(batch.grads, batch.coeffs, w, backend)
+
+
+def privatize(
+    grad_samples,
+    max_grad_norm,
+    noise_multiplier: float,
+    *,
+    seed: int | None = None,
+    step: int,
+    stream: int = 0,
+    mode: str = "clip",
+    r: float | None = None,
+    shift=None,
+    scale=None,
+    per_layer: bool = False,
+    coeffs=None,
+    expected_batch_size: int | None = None,
+    noise=None,
+    nonfinite: str = "raise",
+    backend: str = "auto",
+) -> list[Tensor]:
+    """The private gradient per parameter: ``(Σ_i c_i v_i + σ·C·z) / B``, fused.
+
+    The clipped sum is formed exactly as :func:`clip_and_accumulate`; the Gaussian noise
+    ``σ·C·z`` (``C`` = ``max_grad_norm``, or ``‖(C_1..C_L)‖₂`` per layer, Opacus's convention) is
+    generated inside the pass that writes the result (Philox, docs/RNG.md: key ``seed``, counter
+    ``(element, step, stream)``, element index global over the parameter list), so no noise tensor
+    is materialised. This is Opacus's ``clip_and_accumulate`` → ``add_noise`` → ``scale_grad``.
+
+    Args:
+        noise_multiplier: ``σ``. The sum has add/remove sensitivity ``C`` for every clip mode.
+        seed: 64-bit Philox key; ``None`` draws a fresh one from the OS CSPRNG (reproducible runs
+            must pass and store it). ``step`` must differ between steps, or the noise repeats.
+        expected_batch_size: ``B`` for the mean (Opacus: the expected batch size under Poisson
+            sampling). ``None`` divides by the realised batch size, which is not private under
+            Poisson sampling: pass it for DP training.
+        noise: a pre-drawn list of noise tensors (already scaled: ``σ·C·z``) shaped like the
+            parameters, added instead of generating; for exact tests and other samplers.
+
+    Returns: one fp32 tensor per parameter, shaped like it.
+    """
+    if nonfinite not in ("raise", "drop"):
+        raise ValueError(f"nonfinite must be 'raise' or 'drop', got {nonfinite!r}")
+    batch = _prepare(grad_samples, coeffs, backend)
+    backend = _backend.resolve(backend, batch.device)
+    r = _check_mode(mode, r)
+    C = _check_max_grad_norm(max_grad_norm, per_layer, batch.L)
+    if per_layer and len(C) == 1:
+        C = C * batch.L
+    if not isinstance(noise_multiplier, (int, float)) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    B = batch.B if expected_batch_size is None else expected_batch_size
+    if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
+        raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r} (batch size {batch.B})")
+    seed = fresh_seed() if seed is None else seed
+    _check_counter(seed, step, stream, 0)
+    noise_v = []
+    if noise is not None:
+        noise_v = _prepare_vectors(noise, batch, "noise")
+    sensitivity = math.sqrt(sum(c * c for c in C)) if per_layer else C[0]
+    return _privatize_op(
+        batch.grads, batch.coeffs, C, float(noise_multiplier) * sensitivity, _signed64(seed), step, stream,
+        1.0 / B, mode, r, _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale"),
+        bool(per_layer), noise_v, nonfinite, backend,
+    )  # fmt: skip
 
 
 def clip_and_accumulate(

@@ -18,6 +18,7 @@
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
+#include "noise_cpu.h"
 
 namespace dpkernels {
 namespace {
@@ -236,6 +237,32 @@ struct SumTask {
   int64_t l, begin, end;
 };
 
+// What happens to a finished accumulator chunk: out = (acc + noise) * scale, where noise is
+// std * z(global index) from Philox (DESIGN.md §3: generated in the pass that writes the result,
+// never stored), a pre-drawn tensor, or nothing (plain weighted sum, scale 1).
+struct SumEpilogue {
+  float std = 0.f, scale = 1.f;
+  bool philox = false;
+  cpu::NoiseKey key{};
+  std::vector<int64_t> offset;       // global element index of each parameter's first element
+  std::vector<const float*> noise;   // pre-drawn noise per parameter, or empty
+
+  void finish(int64_t l, int64_t begin, int64_t n, float* acc, float* out) const {
+    if (philox) {
+      alignas(64) float z[kSumChunk];
+      cpu::normals(offset[l] + begin, n, key, z);
+      for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + std * z[e]) * scale;
+    } else if (!noise.empty()) {
+      const float* z = noise[l] + begin;
+      for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + z[e]) * scale;
+    } else if (scale != 1.f) {
+      for (int64_t e = 0; e < n; ++e) out[begin + e] = acc[e] * scale;
+    } else {
+      std::copy(acc, acc + n, out + begin);
+    }
+  }
+};
+
 // acc[0:n) += Σ_m c[m] * rows[m][0:n) for M rows at once: M input streams in flight and one
 // accumulator load/store per M rows instead of per row.
 template <int M, typename scalar_t>
@@ -260,7 +287,8 @@ void axpy_rows(float* acc, const scalar_t* const* rows, const float* c, int64_t 
 
 template <typename scalar_t>
 void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, int64_t k, const double* alpha,
-                        const float* w, int64_t w_stride, float* out, int64_t begin, int64_t end) {
+                        const float* w, int64_t w_stride, float* out, int64_t l, int64_t begin, int64_t end,
+                        const SumEpilogue& ep) {
   alignas(64) float acc[kSumChunk];
   const int64_t n = end - begin;
   std::fill(acc, acc + n, 0.f);
@@ -284,10 +312,11 @@ void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, 
   if (m == 1) axpy_rows<1>(acc, rows, c, n);
   if (m == 2) axpy_rows<2>(acc, rows, c, n);
   if (m == 3) axpy_rows<3>(acc, rows, c, n);
-  std::copy(acc, acc + n, out + begin);
+  ep.finish(l, begin, n, acc, out);
 }
 
-std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, const at::Tensor& weights) {
+std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                          const at::Tensor& weights, SumEpilogue ep) {
   const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CPU);
   DPK_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                 weights.dim() == 2 && weights.size(0) == lay.B && weights.size(1) == lay.L,
@@ -296,8 +325,11 @@ std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<doub
   std::vector<at::Tensor> out;
   std::vector<SumTask> tasks;
   std::vector<int64_t> cost;
+  int64_t offset = 0;
   for (int64_t l = 0; l < lay.L; ++l) {
     out.push_back(new_output(grads[l].sizes().slice(1), at::dtype(at::kFloat)));
+    ep.offset.push_back(offset);
+    offset += lay.numel[l];
     for (int64_t b = 0; b < lay.numel[l]; b += kSumChunk) {
       tasks.push_back({l, b, std::min(b + kSumChunk, lay.numel[l])});
       cost.push_back((tasks.back().end - b) * lay.B * lay.k + 64);
@@ -312,11 +344,39 @@ std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<doub
         for (int64_t j = 0; j < lay.k; ++j) bases[j] = grads[j * lay.L + task.l].const_data_ptr<scalar_t>();
         weighted_sum_range<scalar_t>(reinterpret_cast<const scalar_t* const*>(bases.data()), lay.numel[task.l],
                                      lay.B, lay.k, coeffs.data(), w + task.l, lay.L,
-                                     out[task.l].data_ptr<float>(), task.begin, task.end);
+                                     out[task.l].data_ptr<float>(), task.l, task.begin, task.end, ep);
       });
     }
   });
   return out;
+}
+
+std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, const at::Tensor& weights) {
+  return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{});
+}
+
+std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                           const at::Tensor& weights, double noise_std, int64_t seed, int64_t step,
+                                           int64_t stream, double out_scale, at::TensorList noise) {
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  SumEpilogue ep;
+  ep.std = static_cast<float>(noise_std);
+  ep.scale = static_cast<float>(out_scale);
+  if (!noise.empty()) {
+    const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
+    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L, "), got ",
+              noise.size());
+    for (int64_t l = 0; l < L; ++l) {
+      DPK_CHECK(noise[l].device().is_cpu() && noise[l].scalar_type() == at::kFloat && noise[l].is_contiguous() &&
+                    noise[l].sizes() == grads[l].sizes().slice(1),
+                "noise[", l, "] must be a contiguous float32 CPU tensor shaped like parameter ", l);
+      ep.noise.push_back(noise[l].const_data_ptr<float>());
+    }
+  } else if (noise_std > 0) {
+    ep.philox = true;
+    ep.key = cpu::make_key(seed, step, stream);
+  }
+  return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
 }
 
 }  // namespace
@@ -325,6 +385,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
   m.impl("per_sample_sumsq", &per_sample_sumsq_cpu);
   m.impl("clip_factors", &clip_factors_cpu);
   m.impl("weighted_sum", &weighted_sum_cpu);
+  m.impl("privatized_sum", &privatized_sum_cpu);
 }
 
 }  // namespace dpkernels

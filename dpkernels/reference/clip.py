@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from .noise import standard_normal
+
 _THIS_MODULE = sys.modules[__name__]
 
 CLIP_MODES = ("clip", "auto_s", "auto_v", "psac")
@@ -131,7 +133,7 @@ def weighted_sum(
     return sums
 
 
-def clip_and_accumulate(
+def clip_weights(
     grad_sets: Sequence[Sequence[torch.Tensor]],
     max_grad_norm: float | Sequence[float],
     coeffs: Sequence[float] = (1.0,),
@@ -142,14 +144,13 @@ def clip_and_accumulate(
     per_layer: bool = False,
     nonfinite: str = "raise",
     kernels=None,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(S, n)``: norms of the shifted/scaled gradients, weights from them, sum of the raw ones.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 1–2: ``(w, n)`` with per-sample, per-tensor weights ``w`` ``[B, L]`` and norms ``n``.
 
-    ``S^(l) = Σ_i c_i v_i^(l)`` with ``c = clip_factors(n)`` (``[B]``, or ``[B, L]`` per layer).
-    A sample with a non-finite gradient raises (``nonfinite="raise"``) or gets weight 0
-    (``"drop"``). ``kernels`` is the module that provides ``per_sample_sumsq``,
-    ``clip_factors`` and ``weighted_sum``: this module for the reference, a backend otherwise.
-    Every backend runs this same composition, so only the three kernels differ.
+    ``w = clip_factors(n)`` (broadcast over tensors for flat clipping). A sample with a non-finite
+    gradient raises (``nonfinite="raise"``) or gets weight 0 (``"drop"``). ``kernels`` is the
+    module that provides ``per_sample_sumsq`` and ``clip_factors``: this module for the
+    reference, a backend otherwise; every backend runs this same composition.
     """
     kernels = kernels or _THIS_MODULE
     sumsq = kernels.per_sample_sumsq(grad_sets, coeffs, shift, scale)
@@ -161,7 +162,36 @@ def clip_and_accumulate(
     if w.dim() == 1:
         w = w[:, None].expand(-1, sumsq.shape[1])
     out_dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
-    return kernels.weighted_sum(grad_sets, w.to(out_dtype).contiguous(), coeffs), norms64.to(out_dtype)
+    return w.to(out_dtype).contiguous(), norms64.to(out_dtype)
+
+
+def clip_and_accumulate(grad_sets, max_grad_norm, coeffs=(1.0,), mode="clip", r=0.0, shift=None, scale=None,
+                        per_layer=False, nonfinite="raise", kernels=None):  # fmt: skip
+    """``(S, n)``: ``S^(l) = Σ_i c_i v_i^(l)`` over the raw gradients, ``c`` from :func:`clip_weights`."""
+    kernels = kernels or _THIS_MODULE
+    w, norms = clip_weights(grad_sets, max_grad_norm, coeffs, mode, r, shift, scale, per_layer, nonfinite, kernels)
+    return kernels.weighted_sum(grad_sets, w, coeffs), norms
+
+
+def privatized_sum(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    weights: torch.Tensor,
+    coeffs: Sequence[float],
+    noise_std: float,
+    seed: int,
+    step: int,
+    stream: int,
+    out_scale: float,
+    noise: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``(S^(l) + ν^(l)) · out_scale`` with ``ν = noise_std · z`` (Philox, docs/RNG.md, element index
+    global over the parameter list) or the pre-drawn ``noise`` list when given."""
+    sums = weighted_sum(grad_sets, weights, coeffs)
+    if noise is None:
+        total = sum(s.numel() for s in sums)
+        z = standard_normal(total, seed=seed, step=step, stream=stream, device=sums[0].device)
+        noise = [noise_std * part.view_as(s) for part, s in zip(torch.split(z, [s.numel() for s in sums]), sums)]
+    return [(s + nu.to(s.dtype)) * out_scale for s, nu in zip(sums, noise, strict=True)]
 
 
 def check_nonfinite(bad: torch.Tensor, policy: str) -> None:
