@@ -30,26 +30,73 @@ inline NoiseKey make_key(int64_t seed, int64_t step, int64_t stream) {
   return {static_cast<uint64_t>(seed), static_cast<uint32_t>(step), static_cast<uint32_t>(stream)};
 }
 
-// Words of kBatch consecutive blocks starting at `block`, element order (4 words per block).
-// philox4x32_10() one lane at a time, with the rounds outside the lane loop so that the lanes
-// vectorise.
+// Eight uint32 lanes for philox_round(): AVX2 registers when built for AVX2, plain arrays (which
+// the compiler may still vectorise) otherwise.
+#if defined(CPU_CAPABILITY_AVX2)
+struct U32Vec {
+  __m256i v;
+  static U32Vec load(const uint32_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm256_xor_si256(a.v, b.v)}; }
+  friend U32Vec operator^(U32Vec a, uint32_t k) { return {_mm256_xor_si256(a.v, _mm256_set1_epi32(static_cast<int>(k)))}; }
+};
+
+// 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
+inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+  const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
+  const __m256i even = _mm256_mul_epu32(a.v, mv);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), mv);
+  lo = {_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010)};
+  hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
+}
+#else
+struct U32Vec {
+  uint32_t v[8];
+  static U32Vec load(const uint32_t* p) {
+    U32Vec r;
+    std::copy(p, p + 8, r.v);
+    return r;
+  }
+  void store(uint32_t* p) const { std::copy(v, v + 8, p); }
+  friend U32Vec operator^(U32Vec a, U32Vec b) {
+    for (int i = 0; i < 8; ++i) a.v[i] ^= b.v[i];
+    return a;
+  }
+  friend U32Vec operator^(U32Vec a, uint32_t k) {
+    for (int i = 0; i < 8; ++i) a.v[i] ^= k;
+    return a;
+  }
+};
+
+inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+  for (int i = 0; i < 8; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
+}
+#endif
+
+// Words of kBatch consecutive blocks starting at `block`, element order (4 words per block):
+// philox4x32_10() on eight counters at once via philox_round<U32Vec>.
 inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
-  alignas(64) uint32_t c0[kBatch], c1[kBatch], c2[kBatch], c3[kBatch];
-  for (int b = 0; b < kBatch; ++b) {
-    c0[b] = static_cast<uint32_t>(block + b);
-    c1[b] = static_cast<uint32_t>((block + b) >> 32);
-    c2[b] = key.step;
-    c3[b] = key.stream;
-  }
-  uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1) {
-    for (int b = 0; b < kBatch; ++b) philox_round(c0[b], c1[b], c2[b], c3[b], k0, k1);
-  }
-  for (int b = 0; b < kBatch; ++b) {
-    words[4 * b] = c0[b];
-    words[4 * b + 1] = c1[b];
-    words[4 * b + 2] = c2[b];
-    words[4 * b + 3] = c3[b];
+  static_assert(kBatch % 8 == 0, "Philox runs are whole U32Vec groups");
+  for (int g = 0; g < kBatch; g += 8) {
+    alignas(64) uint32_t lanes[4][8];
+    for (int b = 0; b < 8; ++b) {
+      const uint64_t blk = block + g + b;
+      lanes[0][b] = static_cast<uint32_t>(blk);
+      lanes[1][b] = static_cast<uint32_t>(blk >> 32);
+      lanes[2][b] = key.step;
+      lanes[3][b] = key.stream;
+    }
+    U32Vec c0 = U32Vec::load(lanes[0]), c1 = U32Vec::load(lanes[1]), c2 = U32Vec::load(lanes[2]),
+           c3 = U32Vec::load(lanes[3]);
+    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+    for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1) philox_round(c0, c1, c2, c3, k0, k1);
+    c0.store(lanes[0]);
+    c1.store(lanes[1]);
+    c2.store(lanes[2]);
+    c3.store(lanes[3]);
+    for (int b = 0; b < 8; ++b) {
+      for (int w = 0; w < 4; ++w) words[4 * (g + b) + w] = lanes[w][b];
+    }
   }
 }
 

@@ -15,6 +15,13 @@
 // every output element to one thread, which walks the samples in order. No atomics anywhere, so both
 // results are bitwise reproducible from run to run.
 //
+// [note: private epilogue]
+// privatized_sum is weighted_sum with an epilogue on the value each thread writes: out = (S + ν) * scale,
+// ν = std * z(g) for the global flat index g of the element over the parameter list (docs/RNG.md), or
+// the pre-drawn noise tensor's element. The same kernel template serves both ops: its kPrivate = false
+// instantiation is the plain weighted sum, which never reads the epilogue. Philox mode generates the
+// noise in registers as the result is written, so it never exists in memory (DESIGN.md §3).
+//
 // [note: alignment]
 // A parameter takes the 128-bit path when every row of every gradient set (and shift/scale) starts on
 // a 16-byte boundary: 16-byte aligned base pointers and a per-sample numel that is a multiple of the
@@ -32,6 +39,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -40,6 +48,7 @@
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/philox.h"
 
 namespace dpkernels {
 namespace {
@@ -129,6 +138,20 @@ struct SumsqArgs {
 struct WsumArgs {
   SlotTable tab;
   float* out[kMaxSlots];
+  // Read by the private epilogue only (see [note: private epilogue]).
+  int64_t offset[kMaxSlots];      // global flat index of the parameter's first element
+  const float* noise[kMaxSlots];  // pre-drawn noise of the parameter, or null
+};
+
+// What weighted_sum_kernel does with a finished accumulator, by value in the kernel arguments; the
+// CUDA twin of SumEpilogue in csrc/cpu/clip.cpp. kNone is the plain weighted sum.
+enum class SumMode : int32_t { kNone, kScale, kNoise, kPhilox };
+struct SumEpilogue {
+  uint64_t seed = 0;         // Philox key
+  float std = 0.f;           // kPhilox: ν = std * z(global index)
+  float scale = 1.f;         // out = (S + ν) * scale
+  uint32_t step = 0, stream = 0;  // Philox counter words 2 and 3
+  SumMode mode = SumMode::kNone;
 };
 
 // Parameters first_param .. first_param + count - 1; the chunks of parameter first_param + e are
@@ -149,6 +172,8 @@ struct BoundArgs {
 
 static_assert(sizeof(SumsqArgs) + kScalarArgBytes <= kArgBytes);
 static_assert(sizeof(WsumArgs) + kScalarArgBytes <= kArgBytes);
+// weighted_sum_kernel's scalar arguments: weights, B, L and the epilogue.
+static_assert(3 * sizeof(int64_t) + sizeof(SumEpilogue) <= kScalarArgBytes);
 static_assert(sizeof(RangeArgs) + kScalarArgBytes <= kArgBytes);
 static_assert(sizeof(BoundArgs) + kScalarArgBytes <= kArgBytes);
 
@@ -421,12 +446,80 @@ __device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n
   for (; r < rows; ++r) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
 }
 
+// z(g): the standard normal of global element g alone. Its block's Philox words, then Box-Muller on
+// the word pair that holds word g % 4: (x0, x1) gives elements 0 and 1 of the block, (x2, x3)
+// elements 2 and 3; the first of a pair takes the cosine, the second the sine.
+__device__ __forceinline__ float normal_at(uint64_t g, const SumEpilogue& ep) {
+  const Philox4 x = philox4x32_10(g >> 2, ep.step, ep.stream, ep.seed);
+  const bool second_pair = (g & 2) != 0;
+  float z_first, z_second;
+  box_muller(second_pair ? x.x[2] : x.x[0], second_pair ? x.x[3] : x.x[1], z_first, z_second);
+  return (g & 1) != 0 ? z_second : z_first;
+}
+
+// acc[e] = (acc[e] + ν_e) * scale for the N elements this thread owns in the chunk at `start` of slot s
+// (offsets col .. col + N - 1 on the vector path, else col, col + kWsumThreads, ...; see
+// weighted_sum_kernel). The noise term std * z is rounded before the add, as in the reference (no FMA
+// contraction), so that the result is (S + round(std * z)) * scale on every backend.
+template <int N, bool kVec>
+__device__ __forceinline__ void private_epilogue(const WsumArgs& a, const SumEpilogue& ep, int s, int64_t start,
+                                                 int col, int len, float (&acc)[N]) {
+  constexpr int kStride = kVec ? 1 : kWsumThreads;
+  if (ep.mode == SumMode::kPhilox) {
+    // Global index of the thread's first element.
+    const uint64_t g0 = static_cast<uint64_t>(a.offset[s] + start + col);
+    if constexpr (kVec) {
+      // Groups of 4 consecutive elements. A group whose first index is a multiple of 4 is exactly one
+      // Philox block: one call and two Box-Muller pairs give its 4 normals. Otherwise (the parameter's
+      // global offset is not a multiple of 4, e.g. after a parameter of odd size) the group straddles
+      // two blocks and each element takes its own Philox call: correct, 4x the Philox work and 2x the
+      // Box-Muller work. The branch is uniform over the launch's blocks of one slot (start and col are
+      // multiples of 4 here), so it does not diverge.
+#pragma unroll
+      for (int q = 0; q < N / 4; ++q) {
+        const uint64_t g = g0 + 4 * q;
+        float z[4];
+        if ((g & 3) == 0) {
+          const Philox4 x = philox4x32_10(g >> 2, ep.step, ep.stream, ep.seed);
+          box_muller(x.x[0], x.x[1], z[0], z[1]);
+          box_muller(x.x[2], x.x[3], z[2], z[3]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) z[e] = normal_at(g + e, ep);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * q + e] = (acc[4 * q + e] + __fmul_rn(ep.std, z[e])) * ep.scale;
+      }
+    } else {
+      // Elements kWsumThreads apart: one Philox call each.
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        if (col + e * kStride < len) {
+          const float z = normal_at(g0 + static_cast<uint64_t>(e * kStride), ep);
+          acc[e] = (acc[e] + __fmul_rn(ep.std, z)) * ep.scale;
+        }
+      }
+    }
+  } else if (ep.mode == SumMode::kNoise) {
+    // Same offsets as the gradients; on the vector path the noise rows are 16-byte aligned too.
+    float nu[N];
+    load_elems<N, kVec, kStride>(a.noise[s] + start, col, len, nu);
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[e] = (acc[e] + nu[e]) * ep.scale;
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[e] *= ep.scale;
+  }
+}
+
 // S_l[c] = Σ_{i : w[i, l] != 0} Σ_j (w[i, l] α_j) g_j[i, c] for the columns c of chunk b =
 // blockIdx.x, accumulated in fp32 in (sample, set) order and written once. Grid (chunks).
-template <typename T>
+// kPrivate: written through the epilogue ep instead (see [note: private epilogue]); without it ep is
+// not read and the kernel is the plain weighted sum.
+template <typename T, bool kPrivate>
 __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
     weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
-                        int64_t L) {
+                        int64_t L, const SumEpilogue ep) {
   constexpr int N = ilp(sizeof(T));
   constexpr int64_t kChunk = wsum_chunk(sizeof(T));
   __shared__ int row[kWsumThreads];
@@ -452,6 +545,15 @@ __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
         wsum_tile<T, true>(a.tab, s, n, start, col, len, i0, row, w, count, acc);
       } else {
         wsum_tile<T, false>(a.tab, s, n, start, col, len, i0, row, w, count, acc);
+      }
+    }
+  }
+  if constexpr (kPrivate) {
+    if (col < len) {
+      if (vec) {
+        private_epilogue<N, true>(a, ep, s, start, col, len, acc);
+      } else {
+        private_epilogue<N, false>(a, ep, s, start, col, len, acc);
       }
     }
   }
@@ -713,8 +815,10 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
   return out;
 }
 
-std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                          const at::Tensor& weights) {
+// The weighted sum with the epilogue ep (mode kNone: the plain op). noise: empty, or the pre-drawn
+// noise of every parameter (ep.mode == kNoise), already checked by privatized_sum_cuda.
+std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                          const at::Tensor& weights, const SumEpilogue& ep, at::TensorList noise) {
   const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
   check_one_device(grads, {}, {});
   check_num_sets(lay.k);
@@ -724,16 +828,25 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
             "weights must be a contiguous float32 tensor [B=", lay.B, ", L=", lay.L, "] on ",
             grads[0].device(), ", got ", weights.sizes(), " ", weights.scalar_type(), " on ",
             weights.device());
+  const bool is_private = ep.mode != SumMode::kNone;
+  TORCH_INTERNAL_ASSERT(noise.empty() == (ep.mode != SumMode::kNoise));
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto opts = grads[0].options().dtype(at::kFloat);
   std::vector<at::Tensor> out;
   out.reserve(lay.L);
+  // Global flat index of each parameter's first element, in parameter order (docs/RNG.md §1),
+  // whatever order the dtype groups are launched in.
+  std::vector<int64_t> offset(lay.L);
+  int64_t total = 0;
   for (int64_t l = 0; l < lay.L; ++l) {
     const auto shape = grads[l].sizes().slice(1);
-    // An empty batch sums to zero; otherwise the kernel writes every element.
-    out.push_back(lay.B == 0 ? at::zeros(shape, opts) : new_output(shape, opts));
+    // An empty batch sums to zero; otherwise the kernel writes every element. The private op always
+    // runs the kernel: its epilogue applies to an empty sum too.
+    out.push_back(lay.B == 0 && !is_private ? at::zeros(shape, opts) : new_output(shape, opts));
+    offset[l] = total;
+    total += lay.numel[l];
   }
-  if (lay.B == 0) return out;
+  if (lay.B == 0 && !is_private) return out;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto groups = group_by_dtype(grads, lay.L);
@@ -746,11 +859,19 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
         for (int64_t j = 0; j < lay.k; ++j)
           a.tab.grads[slot * lay.k + j] = grads[j * lay.L + l].const_data_ptr();
         a.out[slot] = out[l].data_ptr<float>();
-        a.tab.vec_ok[slot] = grads_vec_ok(grads, lay, l) && aligned16(a.out[slot]);
+        a.offset[slot] = offset[l];
+        a.noise[slot] = noise.empty() ? nullptr : noise[l].const_data_ptr<float>();
+        a.tab.vec_ok[slot] = grads_vec_ok(grads, lay, l) && aligned16(a.out[slot]) &&
+                             (a.noise[slot] == nullptr || aligned16(a.noise[slot]));
       };
       const auto launch = [&](const WsumArgs& a, int blocks) {
-        weighted_sum_kernel<scalar_t>
-            <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L);
+        if (is_private) {
+          weighted_sum_kernel<scalar_t, true>
+              <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L, ep);
+        } else {
+          weighted_sum_kernel<scalar_t, false>
+              <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L, ep);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       for_each_launch(args, lay, groups[g], wsum_chunk(sizeof(scalar_t)), fill, launch);
@@ -759,12 +880,51 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
   return out;
 }
 
+std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                          const at::Tensor& weights) {
+  return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{}, {});
+}
+
+std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                            const at::Tensor& weights, double noise_std, int64_t seed,
+                                            int64_t step, int64_t stream, double out_scale, at::TensorList noise) {
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  SumEpilogue ep;
+  ep.std = static_cast<float>(noise_std);
+  ep.scale = static_cast<float>(out_scale);
+  ep.mode = SumMode::kScale;
+  if (!noise.empty()) {
+    const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
+    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L, "), got ",
+              noise.size());
+    for (int64_t l = 0; l < L; ++l) {
+      DPK_CHECK(noise[l].device() == grads[l].device() && noise[l].scalar_type() == at::kFloat &&
+                    noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),
+                "noise[", l, "] must be a contiguous float32 tensor shaped like parameter ", l, " ",
+                grads[l].sizes().slice(1), " on ", grads[l].device(), ", got ", noise[l].sizes(), " ",
+                noise[l].scalar_type(), " on ", noise[l].device());
+    }
+    ep.mode = SumMode::kNoise;
+  } else if (noise_std > 0) {
+    // Same checks as the CPU kernel's make_key (csrc/cpu/noise_cpu.h): only Philox mode uses them.
+    DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
+    DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
+    ep.mode = SumMode::kPhilox;
+    // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
+    ep.seed = static_cast<uint64_t>(seed);
+    ep.step = static_cast<uint32_t>(step);
+    ep.stream = static_cast<uint32_t>(stream);
+  }
+  return weighted_sum_impl(grads, coeffs, weights, ep, noise);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
   m.impl("per_sample_sumsq", &per_sample_sumsq_cuda);
   m.impl("clip_factors", &clip_factors_cuda);
   m.impl("weighted_sum", &weighted_sum_cuda);
+  m.impl("privatized_sum", &privatized_sum_cuda);
 }
 
 }  // namespace dpkernels

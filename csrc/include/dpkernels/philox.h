@@ -24,10 +24,11 @@ constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
 
-// One Philox round on counter (c0..c3) with round key (k0, k1).
-DPK_HOST_DEVICE inline void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0,
-                                         uint32_t k1) {
-  uint32_t hi0, lo0, hi1, lo1;
+// One Philox round on counter (c0..c3) with round key (k0, k1). T is uint32_t, or a SIMD lane
+// type that provides mulhilo32(uint32_t, T, T&, T&) and operator^ (the CPU kernels' U32Vec).
+template <typename T>
+DPK_HOST_DEVICE inline void philox_round(T& c0, T& c1, T& c2, T& c3, uint32_t k0, uint32_t k1) {
+  T hi0, lo0, hi1, lo1;
   mulhilo32(kPhiloxM0, c0, hi0, lo0);
   mulhilo32(kPhiloxM1, c2, hi1, lo1);
   c0 = hi1 ^ c1 ^ k0;

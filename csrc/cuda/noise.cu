@@ -1,0 +1,438 @@
+// CUDA kernels of dpkernels' counter-based noise (spec: docs/RNG.md; math: philox.h; semantics:
+// dpkernels/reference/noise.py; the CPU kernels of the same ops are csrc/cpu/noise.cpp).
+//
+// [note: noise work items]
+// One thread computes one Philox block: the 4 words (philox_uint32_) or the 4 Box-Muller normals
+// (gaussian_fill_, add_gaussian_noise_) of global elements 4b .. 4b + 3, and writes those of them that
+// lie in its tensor. A tensor whose global elements are [e0, e0 + n) owns Philox blocks e0 / 4 ..
+// (e0 + n + 3) / 4 - 1; the first and last of them may be shared with the neighbouring tensors (a
+// block can even span several tensors of fewer than 4 elements). A shared block is computed once per
+// tensor that holds part of it, and each computation writes its own tensor's part only, so each
+// element gets the normal of its own global index whatever the tensor boundaries. That costs at
+// most one extra Philox block per tensor boundary.
+//
+// [note: noise launches]
+// The Philox blocks of a tensor are cut into chunks of kNoiseChunk blocks (one CUDA block runs a
+// chunk: kNoiseThreads threads, kNoiseIters blocks each, thread t taking t, t + kNoiseThreads, ...,
+// so that a warp writes consecutive addresses). add_gaussian_noise_ covers all tensors of one
+// storage dtype with one launch, its metadata in a __grid_constant__ table passed by value (see
+// [note: multi-tensor launches] in clip.cu); the table holds each tensor's first chunk number, and
+// a CUDA block finds the tensor of its chunk by a binary search over them (uniform across the
+// block, so the reads are broadcasts from the constant cache). The grid is at most one wave of
+// resident blocks that strides over the chunks, so any number of elements takes one launch.
+// gaussian_fill_ and philox_uint32_ use the same kernel with a one-entry table.
+//
+// [note: noise stores]
+// A thread whose 4 elements all lie in its tensor moves them with as few accesses as their address
+// allows: one access of 4 elements when it is aligned to 4 elements (16 bytes for fp32, 8 for
+// fp16/bf16; two 16-byte ones for int64), two of 2 elements when aligned to 2, else 4 scalar ones.
+// Alignment is a property of the tensor (its base address and e0 % 4), so it is uniform over a
+// tensor and the paths do not diverge inside a warp except at a tensor's first and last block.
+//
+// [note: noise rounding]
+// As on the CPU and in the reference: std is rounded to fp32 once, std * z is rounded to fp32, the
+// sum with the fp32 value of the element is rounded to fp32, and the result is rounded once to the
+// storage dtype. __fmul_rn/__fadd_rn keep nvcc from contracting the product and the sum into an
+// FMA (which rounds once, so it would differ from the reference in the last bit). box_muller() uses
+// the precise logf/cosf/sinf/sqrtf; this file must not be built with --use_fast_math.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "dpkernels/dispatch.h"
+#include "dpkernels/macros.h"
+#include "dpkernels/philox.h"
+
+namespace dpkernels {
+namespace {
+
+// Kernel argument space, as in clip.cu: 32 KiB in CUDA 13 builds, 4 KiB otherwise.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+constexpr size_t kArgBytes = 32764;
+constexpr int kMaxNoiseSlots = 960;  // tensors per add_gaussian_noise_ launch
+#else
+constexpr size_t kArgBytes = 4096;
+constexpr int kMaxNoiseSlots = 120;
+#endif
+// Room left for the scalar arguments that follow the table in the kernel's parameter list.
+constexpr size_t kScalarArgBytes = 64;
+
+constexpr int kNoiseThreads = 256;
+// Philox blocks per thread and chunk: a chunk is kNoiseChunk Philox blocks, 4 * kNoiseChunk
+// elements (16 KiB of fp32), enough to amortise the chunk's table lookup.
+constexpr int kNoiseIters = 4;
+constexpr int64_t kNoiseChunk = int64_t{kNoiseThreads} * kNoiseIters;
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+enum class NoiseOp { kWords, kFill, kAdd };
+
+struct NoiseKey {
+  uint64_t seed;
+  uint32_t step, stream;
+};
+
+// Same checks and messages as cpu::make_key (noise_cpu.h).
+NoiseKey make_key(int64_t seed, int64_t step, int64_t stream) {
+  DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
+  DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
+  // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
+  return {static_cast<uint64_t>(seed), static_cast<uint32_t>(step), static_cast<uint32_t>(stream)};
+}
+
+// Tensors of one launch (see [note: noise launches]). Slot s: ptr[s] holds numel[s] > 0 elements,
+// element i being global element elem0[s] + i; its chunks are first_chunk[s] .. first_chunk[s + 1] - 1
+// (the last slot's end is the kernel's num_chunks argument).
+template <int kSlots>
+struct NoiseTable {
+  void* ptr[kSlots];
+  int64_t numel[kSlots];
+  int64_t elem0[kSlots];
+  int64_t first_chunk[kSlots];
+  int32_t count;
+};
+static_assert(sizeof(NoiseTable<kMaxNoiseSlots>) + kScalarArgBytes <= kArgBytes);
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers.
+// ---------------------------------------------------------------------------------------------
+
+// Elements per access on the widest path: 4, at most 16 bytes.
+template <typename T>
+constexpr int max_width() {
+  return static_cast<int>(std::min<size_t>(4, 16 / sizeof(T)));
+}
+
+// W > 1 elements of T as one access of 32-bit words.
+template <int kBytes>
+struct RawWords;
+template <>
+struct RawWords<16> {
+  using type = uint4;
+};
+template <>
+struct RawWords<8> {
+  using type = uint2;
+};
+template <>
+struct RawWords<4> {
+  using type = unsigned int;
+};
+
+// p[0 .. 3] as 4 / W accesses of W elements; p is aligned to W elements. The wide accesses go
+// through __ldca/__stwb (the default cache policy, written out), whose width the compiler keeps:
+// plain stores of the same values on the other paths would otherwise be merged with these into
+// scalar ones.
+template <int W, typename T>
+__device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
+  if constexpr (W == 1) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = static_cast<float>(p[j]);
+  } else {
+    using Raw = typename RawWords<W * sizeof(T)>::type;
+#pragma unroll
+    for (int q = 0; q < 4 / W; ++q) {
+      const Raw r = __ldca(reinterpret_cast<const Raw*>(p + q * W));
+      T v[W];
+      memcpy(v, &r, sizeof(Raw));
+#pragma unroll
+      for (int e = 0; e < W; ++e) x[q * W + e] = static_cast<float>(v[e]);
+    }
+  }
+}
+
+template <int W, typename T>
+__device__ __forceinline__ void store4(T* p, const T (&v)[4]) {
+  if constexpr (W == 1) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = v[j];
+  } else {
+    using Raw = typename RawWords<W * sizeof(T)>::type;
+#pragma unroll
+    for (int q = 0; q < 4 / W; ++q) {
+      Raw r;
+      memcpy(&r, v + q * W, sizeof(Raw));
+      __stwb(reinterpret_cast<Raw*>(p + q * W), r);
+    }
+  }
+}
+
+// How a thread reaches its 4 elements (see [note: noise stores]).
+enum Access : int { kPartial = 0, kScalar = 1, kHalf = 2, kFull = 3 };
+
+// p[i0 .. i0 + 3] for a tensor of n elements; i0 may be negative (down to -3) or near n.
+template <typename T>
+__device__ __forceinline__ int access_of(const T* p, int64_t i0, int64_t n) {
+  constexpr int kW = max_width<T>();
+  if (i0 < 0 || i0 + 4 > n) return kPartial;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p + i0);
+  if (a % (kW * sizeof(T)) == 0) return kFull;
+  if (kW == 4 && a % (2 * sizeof(T)) == 0) return kHalf;
+  return kScalar;
+}
+
+// The slot whose chunks include chunk c: the last s < count with first_chunk[s] <= c. first_chunk is
+// strictly increasing (every slot has at least one chunk) and first_chunk[0] = 0.
+template <int kSlots>
+__device__ __forceinline__ int find_slot(const NoiseTable<kSlots>& tab, int64_t c) {
+  if constexpr (kSlots == 1) {
+    return 0;
+  } else {
+    int lo = 0, hi = tab.count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tab.first_chunk[mid] <= c) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+}
+
+// Philox block `block` of the stream, whose element j is element i0 + j of the n-element tensor p
+// (see [note: noise work items]). kWords: p[i] = word; kFill: p[i] = round(s * z); kAdd: p[i] =
+// round(float(p[i]) + s * z).
+template <typename T, NoiseOp kOp>
+__device__ __forceinline__ void noise_block(T* __restrict__ p, int64_t i0, int64_t n, uint64_t block,
+                                            const NoiseKey& key, float s) {
+  constexpr int kW = max_width<T>();
+  const int acc = access_of(p, i0, n);
+  // The old values are loaded before the Philox rounds, so that the loads are in flight meanwhile.
+  float x[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (kOp == NoiseOp::kAdd) {
+    if (acc == kFull) {
+      load4<kW>(p + i0, x);
+    } else if (acc == kHalf) {
+      if constexpr (kW == 4) load4<2>(p + i0, x);
+    } else if (acc == kScalar) {
+      load4<1>(p + i0, x);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (i0 + j >= 0 && i0 + j < n) x[j] = static_cast<float>(p[i0 + j]);
+      }
+    }
+  }
+  const Philox4 w = philox4x32_10(block, key.step, key.stream, key.seed);
+  T v[4];
+  if constexpr (kOp == NoiseOp::kWords) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = static_cast<T>(w.x[j]);
+  } else {
+    float z[4];
+    box_muller(w.x[0], w.x[1], z[0], z[1]);
+    box_muller(w.x[2], w.x[3], z[2], z[3]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = __fmul_rn(s, z[j]);
+      v[j] = static_cast<T>(kOp == NoiseOp::kAdd ? __fadd_rn(x[j], y) : y);
+    }
+  }
+  if (acc == kFull) {
+    store4<kW>(p + i0, v);
+  } else if (acc == kHalf) {
+    if constexpr (kW == 4) store4<2>(p + i0, v);
+  } else if (acc == kScalar) {
+    store4<1>(p + i0, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (i0 + j >= 0 && i0 + j < n) p[i0 + j] = v[j];
+    }
+  }
+}
+
+// Chunks blockIdx.x, blockIdx.x + gridDim.x, ... < num_chunks of the table (see [note: noise
+// launches]). Chunk c of slot s is the slot's Philox blocks q * kNoiseChunk .. (q + 1) * kNoiseChunk - 1
+// counted from its first, elem0[s] / 4, where q = c - first_chunk[s].
+template <typename T, NoiseOp kOp, int kSlots>
+__global__ void __launch_bounds__(kNoiseThreads)
+    noise_kernel(const __grid_constant__ NoiseTable<kSlots> tab, int64_t num_chunks, NoiseKey key, float s) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const int slot = find_slot(tab, c);
+    T* const p = static_cast<T*>(tab.ptr[slot]);
+    const int64_t n = tab.numel[slot], e0 = tab.elem0[slot];
+    // Slot-local Philox block u is global block e0 / 4 + u and holds elements 4u - e0 % 4 ..
+    // 4u - e0 % 4 + 3 of the tensor.
+    const uint64_t first_block = static_cast<uint64_t>(e0) / 4;
+    const int64_t lead = e0 % 4;
+    const int64_t u0 = (c - tab.first_chunk[slot]) * kNoiseChunk + threadIdx.x;
+#pragma unroll 1
+    for (int k = 0; k < kNoiseIters; ++k) {
+      const int64_t u = u0 + int64_t{k} * kNoiseThreads;
+      const int64_t i0 = 4 * u - lead;
+      if (i0 >= n) break;  // u only grows with k
+      noise_block<T, kOp>(p, i0, n, first_block + static_cast<uint64_t>(u), key, s);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------
+
+// A tensor's share of the stream: numel > 0 elements at ptr, element i being global element elem0 + i.
+struct NoiseItem {
+  void* ptr;
+  int64_t numel;
+  int64_t elem0;
+};
+
+// Chunks of a tensor: its Philox blocks elem0 / 4 .. (elem0 + numel + 3) / 4 - 1, kNoiseChunk at a time.
+int64_t noise_chunks(const NoiseItem& it) {
+  const int64_t blocks = (it.elem0 + it.numel + 3) / 4 - it.elem0 / 4;
+  return ceil_div(blocks, kNoiseChunk);
+}
+
+// Runs noise_kernel over items (any order, non-overlapping memory), kSlots tensors per launch.
+template <typename T, NoiseOp kOp, int kSlots>
+void launch_noise(const std::vector<NoiseItem>& items, const NoiseKey& key, float s) {
+  if (items.empty()) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  // One wave of resident blocks (fewer if registers limit the occupancy: the rest wait their turn).
+  const int64_t max_grid =
+      int64_t{prop->multiProcessorCount} * std::max(1, prop->maxThreadsPerMultiProcessor / kNoiseThreads);
+  NoiseTable<kSlots> tab{};
+  int64_t chunks = 0;
+  const auto flush = [&] {
+    if (tab.count > 0) {
+      const auto grid = static_cast<unsigned>(std::min(chunks, max_grid));
+      noise_kernel<T, kOp, kSlots><<<grid, kNoiseThreads, 0, stream>>>(tab, chunks, key, s);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    tab.count = 0;
+    chunks = 0;
+  };
+  for (const NoiseItem& it : items) {
+    if (tab.count == kSlots) flush();
+    tab.ptr[tab.count] = it.ptr;
+    tab.numel[tab.count] = it.numel;
+    tab.elem0[tab.count] = it.elem0;
+    tab.first_chunk[tab.count] = chunks;
+    chunks += noise_chunks(it);
+    ++tab.count;
+  }
+  flush();
+}
+
+// offset + total elements, plus the rounding up to whole Philox blocks, must not overflow int64.
+void check_offset(int64_t offset, int64_t total) {
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  DPK_CHECK(total <= std::numeric_limits<int64_t>::max() - 4 - offset, "offset + numel overflows: offset ",
+            offset, ", ", total, " elements");
+}
+
+void philox_uint32_cuda(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+  DPK_CHECK(out.is_cuda() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CUDA tensor, got ", out.scalar_type(), " on ", out.device());
+  check_offset(offset, out.numel());
+  const NoiseKey key = make_key(seed, step, stream);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  launch_noise<int64_t, NoiseOp::kWords, 1>({{out.data_ptr(), out.numel(), offset}}, key, 0.f);
+}
+
+// The storage dtypes in the order their launches go out.
+constexpr std::array<at::ScalarType, 3> kNoiseTypes = {at::kFloat, at::kHalf, at::kBFloat16};
+
+// Whether two of the tensors share memory. Then a single launch would race on it, so the tensors
+// are processed one launch each, in list order, like the CPU kernel does.
+bool any_overlap(at::TensorList tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const at::Tensor& x : tensors) {
+    if (x.numel() == 0) continue;
+    const auto a = reinterpret_cast<uintptr_t>(x.data_ptr());
+    spans.emplace_back(a, a + static_cast<uintptr_t>(x.nbytes()));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
+}
+
+// out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
+void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset,
+                   bool accumulate) {
+  const NoiseKey key = make_key(seed, step, stream);
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  if (tensors.empty()) return;
+  const c10::Device dev = tensors[0].device();
+  int64_t total = 0;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const at::Tensor& x = tensors[t];
+    DPK_CHECK(x.is_cuda() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CUDA tensor");
+    DPK_CHECK(x.device() == dev, "tensors[", t, "] is on ", x.device(), " but tensors[0] is on ", dev);
+    DPK_CHECK(std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) != kNoiseTypes.end(),
+              "tensors[", t, "] has dtype ", x.scalar_type(), "; supported: float32, float16, bfloat16");
+    DPK_CHECK(x.numel() <= std::numeric_limits<int64_t>::max() - total, "too many elements");
+    total += x.numel();
+  }
+  check_offset(offset, total);
+  if (total == 0) return;
+  const c10::cuda::CUDAGuard guard(dev);
+  const float s = static_cast<float>(std);
+
+  // Launch groups: the tensors of each dtype, or one tensor each if some share memory.
+  std::vector<std::pair<at::ScalarType, std::vector<NoiseItem>>> groups;
+  const bool serial = tensors.size() > 1 && any_overlap(tensors);
+  if (!serial) {
+    for (const at::ScalarType type : kNoiseTypes) groups.emplace_back(type, std::vector<NoiseItem>{});
+  }
+  int64_t base = offset;
+  for (const at::Tensor& x : tensors) {
+    if (x.numel() > 0) {
+      const NoiseItem it{x.data_ptr(), x.numel(), base};
+      if (serial) {
+        groups.emplace_back(x.scalar_type(), std::vector<NoiseItem>{it});
+      } else {
+        const auto g = std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) - kNoiseTypes.begin();
+        groups[g].second.push_back(it);
+      }
+    }
+    base += x.numel();
+  }
+  for (const auto& [type, items] : groups) {
+    if (items.empty()) continue;
+    DPK_DISPATCH_GRAD_TYPES(type, "gaussian_noise", [&] {
+      if (accumulate) {
+        launch_noise<scalar_t, NoiseOp::kAdd, kMaxNoiseSlots>(items, key, s);
+      } else {
+        launch_noise<scalar_t, NoiseOp::kFill, 1>(items, key, s);
+      }
+    });
+  }
+}
+
+void gaussian_fill_cuda(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+  gaussian_cuda({out}, std, seed, step, stream, offset, /*accumulate=*/false);
+}
+
+void add_gaussian_noise_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                             int64_t offset) {
+  gaussian_cuda(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
+  m.impl("philox_uint32_", &philox_uint32_cuda);
+  m.impl("gaussian_fill_", &gaussian_fill_cuda);
+  m.impl("add_gaussian_noise_", &add_gaussian_noise_cuda);
+}
+
+}  // namespace dpkernels
