@@ -35,7 +35,9 @@ def _real_cuda_home() -> str | None:
     try:
         trace = subprocess.run(
             [nvcc, "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stderr
     except (OSError, subprocess.SubprocessError):
         return None
@@ -88,7 +90,10 @@ def _extensions():
                 if (site / spec).is_dir():
                     include_dirs.append(str(site / spec))
         extra["nvcc"] = [
-            "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
+            "-O3",
+            "-std=c++20",
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
             "-gencode=arch=compute_80,code=sm_80",
             "-gencode=arch=compute_90,code=sm_90",
             "-gencode=arch=compute_90,code=compute_90",

@@ -30,5 +30,7 @@ TORCH_LIBRARY(dpkernels_C, m) {
   // out[i] = std * z(offset + i).
   m.def("gaussian_fill_(Tensor(a!) out, float std, int seed, int step, int stream, int offset) -> ()");
   // tensors[t][i] += std * z(offset + global index), the index running across the whole list.
-  m.def("add_gaussian_noise_(Tensor(a!)[] tensors, float std, int seed, int step, int stream, int offset) -> ()");
+  m.def(
+      "add_gaussian_noise_(Tensor(a!)[] tensors, float std, int seed, int step, int stream, int offset) -> "
+      "()");
 }

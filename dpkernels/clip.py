@@ -53,12 +53,17 @@ def _native_kernels():
         clip_factors=lambda norms, max_grad_norm, mode, r: ops.clip_factors(
             norms, _as_list(max_grad_norm), mode, float(r)
         ),
-        weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(
-            _flat(grad_sets), list(coeffs), weights
-        ),
+        weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(_flat(grad_sets), list(coeffs), weights),
         privatized_sum=lambda grad_sets, weights, coeffs, noise_std, seed, step, stream, out_scale, noise: (
             ops.privatized_sum(
-                _flat(grad_sets), list(coeffs), weights, noise_std, _signed64(seed), step, stream, out_scale,
+                _flat(grad_sets),
+                list(coeffs),
+                weights,
+                noise_std,
+                _signed64(seed),
+                step,
+                stream,
+                out_scale,
                 list(noise or []),
             )
         ),
@@ -115,7 +120,12 @@ def _out_dtype(grads: Sequence[Tensor]) -> torch.dtype:
 
 @torch.library.custom_op("dpkernels::per_sample_norms", mutates_args=())
 def _per_sample_norms_op(
-    grads: list[Tensor], coeffs: list[float], shift: list[Tensor], scale: list[Tensor], per_layer: bool, backend: str
+    grads: list[Tensor],
+    coeffs: list[float],
+    shift: list[Tensor],
+    scale: list[Tensor],
+    per_layer: bool,
+    backend: str,
 ) -> Tensor:
     sumsq = _kernels(backend).per_sample_sumsq(_unflatten(grads, len(coeffs)), coeffs, shift or None, scale or None)
     return (sumsq if per_layer else sumsq.sum(dim=1)).sqrt().to(_out_dtype(grads))
@@ -204,8 +214,7 @@ def _privatize_op(
 
 
 @_privatize_op.register_fake
-def _(grads, coeffs, max_grad_norm, noise_std, seed, step, stream, out_scale, mode, r, shift, scale, per_layer,
-      noise, nonfinite, backend):  # fmt: skip
+def _(grads, coeffs, max_grad_norm, noise_std, seed, step, stream, out_scale, mode, r, shift, scale, *rest):
     L = len(grads) // len(coeffs)
     return [g.new_empty(g.shape[1:], dtype=_out_dtype(grads)) for g in grads[:L]]
 
@@ -229,7 +238,9 @@ class _Batch(NamedTuple):
 
 def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> _Batch:
     if isinstance(grad_samples, Tensor) or not isinstance(grad_samples, Sequence):
-        raise TypeError(f"{what} must be a list of per-sample gradient tensors [B, *param_shape], got {type(grad_samples).__name__}")
+        raise TypeError(
+            f"{what} must be a list of per-sample gradient tensors [B, *param_shape], got {type(grad_samples).__name__}"
+        )
     if len(grad_samples) == 0:
         raise ValueError(f"{what} is an empty list; pass at least one per-sample gradient tensor")
     nested = not isinstance(grad_samples[0], Tensor)
@@ -265,7 +276,9 @@ def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> 
             if g.dim() == 0:
                 raise ValueError(f"{name} is a scalar; per-sample gradients are [B, *param_shape]")
             if g.device != device:
-                raise ValueError(f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device")
+                raise ValueError(
+                    f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device"
+                )
             if g.shape[0] != B:
                 raise ValueError(f"{name} has batch size {g.shape[0]} but {what}[0] has {B}; all tensors must share B")
             if j and (g.shape != sets[0][idx].shape or g.dtype != sets[0][idx].dtype):
@@ -313,7 +326,9 @@ def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
     if isinstance(max_grad_norm, Tensor):
         max_grad_norm = max_grad_norm.tolist()
     if not isinstance(max_grad_norm, (int, float, Sequence)) or isinstance(max_grad_norm, (bool, str)):
-        raise TypeError(f"max_grad_norm must be a float (or a list of floats with per_layer=True), got {max_grad_norm!r}")
+        raise TypeError(
+            f"max_grad_norm must be a float (or a list of floats with per_layer=True), got {max_grad_norm!r}"
+        )
     values = _as_list(max_grad_norm)
     if isinstance(max_grad_norm, Sequence):
         if not per_layer:
@@ -390,7 +405,9 @@ def weighted_sum(grad_samples, weights: Tensor, *, coeffs=None, backend="auto") 
     if weights.device != batch.device:
         raise ValueError(f"weights are on {weights.device} but the gradients are on {batch.device}")
     if weights.shape not in ((batch.B,), (batch.B, batch.L)):
-        raise ValueError(f"weights must have shape [B]={batch.B} or [B, L]=[{batch.B}, {batch.L}], got {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights must have shape [B]={batch.B} or [B, L]=[{batch.B}, {batch.L}], got {tuple(weights.shape)}"
+        )
     if weights.dim() == 1:
         weights = weights[:, None].expand(-1, batch.L)
     w = weights.to(_out_dtype(batch.grads)).contiguous()
@@ -448,7 +465,9 @@ def privatize(
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
     B = batch.B if expected_batch_size is None else expected_batch_size
     if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-        raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r} (batch size {batch.B})")
+        raise ValueError(
+            f"expected_batch_size must be a positive int, got {expected_batch_size!r} (batch size {batch.B})"
+        )
     seed = fresh_seed() if seed is None else seed
     _check_counter(seed, step, stream, 0)
     noise_v = []

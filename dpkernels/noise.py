@@ -40,7 +40,12 @@ def _unsigned64(seed: int) -> int:
 
 
 def _check_counter(seed, step, stream, offset) -> None:
-    for name, value, bits in (("seed", seed, 64), ("step", step, 32), ("stream", stream, 32), ("offset", offset, 62)):
+    for name, value, bits in (
+        ("seed", seed, 64),
+        ("step", step, 32),
+        ("stream", stream, 32),
+        ("offset", offset, 62),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
             raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
 
@@ -97,7 +102,9 @@ def _fill(out: Tensor, std: float, seed: int, step: int, stream: int, offset: in
 
 
 @torch.library.custom_op("dpkernels::philox_uint32", mutates_args=())
-def _philox_uint32_op(numel: int, seed: int, step: int, stream: int, offset: int, device: torch.device, backend: str) -> Tensor:
+def _philox_uint32_op(
+    numel: int, seed: int, step: int, stream: int, offset: int, device: torch.device, backend: str
+) -> Tensor:
     out = torch.empty(numel, dtype=torch.int64, device=device)
     _words(out, seed, step, stream, offset, backend)
     return out
@@ -144,7 +151,9 @@ def philox_uint32(
     """
     _check_counter(seed, step, stream, offset)
     device = torch.device(device)
-    return _philox_uint32_op(int(numel), _signed64(seed), step, stream, offset, device, _backend.resolve(backend, device))
+    return _philox_uint32_op(
+        int(numel), _signed64(seed), step, stream, offset, device, _backend.resolve(backend, device)
+    )
 
 
 def gaussian_noise(

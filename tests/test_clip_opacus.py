@@ -36,8 +36,6 @@ def test_matches_opacus_summed_grad(backend_device, per_layer):
         C = 1.3
         opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=B)
     opt.clip_and_accumulate()
-    sums, _ = dpkernels.clip_and_accumulate(
-        [p.grad_sample for p in params], C, per_layer=per_layer, backend=backend
-    )
+    sums, _ = dpkernels.clip_and_accumulate([p.grad_sample for p in params], C, per_layer=per_layer, backend=backend)
     for p, s in zip(params, sums, strict=True):
         torch.testing.assert_close(s, p.summed_grad, rtol=1e-5, atol=1e-6)

@@ -30,7 +30,10 @@ def one_sample(draw):
     if dtype == torch.float16:  # fp16 tops out at 65504: keep finite inputs finite
         mags = [min(m, 1e2) for m in mags]
     gen = torch.Generator().manual_seed(seed)
-    grads = [(torch.randn(1, *s, generator=gen, dtype=torch.float64) * m).to(dtype) for s, m in zip(shapes, mags)]
+    grads = [
+        (torch.randn(1, *s, generator=gen, dtype=torch.float64) * m).to(dtype)
+        for s, m in zip(shapes, mags, strict=True)
+    ]
     C = draw(st.sampled_from([1e-3, 0.1, 1.0, 7.5, 1e3]))
     mode = draw(st.sampled_from(["clip", "auto_s", "auto_v", "psac"]))
     r = draw(st.sampled_from([1e-4, 0.01, 0.1, 1.0])) if mode in ("auto_s", "psac") else None
@@ -46,7 +49,12 @@ def _contribution_norms(sums, per_layer):
 def test_clipped_contribution_never_exceeds_bound(backend_device):
     backend, device = backend_device
 
-    @settings(max_examples=EXAMPLES[backend], deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(
+        max_examples=EXAMPLES[backend],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
     @given(one_sample())
     def check(case):
         grads, C, mode, r, per_layer = case
@@ -69,10 +77,13 @@ def test_batch_sum_sensitivity(backend_device, mode, r):
     backend, device = backend_device
     torch.manual_seed(1)
     scales = torch.tensor([1e-3, 1.0, 50.0, 1e6, 0.0, 3.0])
-    g = [torch.randn(6, 40, device=device) * scales.view(-1, 1).to(device), torch.randn(6, 3, 7, device=device)]
+    g = [
+        torch.randn(6, 40, device=device) * scales.view(-1, 1).to(device),
+        torch.randn(6, 3, 7, device=device),
+    ]
     full, _ = dpkernels.clip_and_accumulate(g, 2.0, mode=mode, r=r, backend=backend)
     for drop in range(6):
         keep = [i for i in range(6) if i != drop]
         part, _ = dpkernels.clip_and_accumulate([x[keep] for x in g], 2.0, mode=mode, r=r, backend=backend)
-        diff = math.sqrt(sum(((a - b).double() ** 2).sum().item() for a, b in zip(full, part)))
+        diff = math.sqrt(sum(((a - b).double() ** 2).sum().item() for a, b in zip(full, part, strict=True)))
         assert diff <= 2.0 * (1 + 1e-5)

@@ -57,7 +57,7 @@ def test_gaussians_match_reference(backend_device, n, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1.5 * Z_ATOL)
     else:  # one rounding of the fp32 value; neighbours of a rounding boundary may go either way
-        torch.testing.assert_close(got.cpu().float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(got.cpu().float(), want.to(dtype).float(), rtol=2**-7, atol=1e-6)
 
 
 def test_add_noise_list_equals_concatenation_and_offsets(backend_device):

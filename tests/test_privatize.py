@@ -31,7 +31,15 @@ def test_matches_reference_philox(backend_device, dtype, per_layer):
     g = _grads(6, device, dtype)
     C = [0.5, 1.0, 2.0, 0.7, 0.3] if per_layer else 0.9
     got = dpkernels.privatize(
-        g, C, 1.1, seed=2**63 + 17, step=41, stream=3, expected_batch_size=8, per_layer=per_layer, backend=backend
+        g,
+        C,
+        1.1,
+        seed=2**63 + 17,
+        step=41,
+        stream=3,
+        expected_batch_size=8,
+        per_layer=per_layer,
+        backend=backend,
     )
     want = _expected(g, C, 1.1, 8, 2**63 + 17, 41, 3, per_layer=per_layer)
     for a, b in zip(got, want, strict=True):
@@ -87,7 +95,14 @@ def test_matches_opacus_with_same_noise(backend_device):
     gen.set_state(state)
     noise = [torch.normal(0, sigma * C, p.shape, generator=gen) for p in params]
     got = dpkernels.privatize(
-        [p.grad_sample for p in params], C, sigma, seed=0, step=0, noise=noise, expected_batch_size=B, backend=backend
+        [p.grad_sample for p in params],
+        C,
+        sigma,
+        seed=0,
+        step=0,
+        noise=noise,
+        expected_batch_size=B,
+        backend=backend,
     )
     for p, a in zip(params, got, strict=True):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,11 @@ import dpkernels
 
 def _inputs():
     g = [torch.randn(5, 7, 3), torch.randn(5, 11), torch.randn(5, 1)]
-    return g, [torch.randn(7, 3), torch.randn(11), torch.randn(1)], [torch.rand(7, 3), torch.rand(11), torch.rand(1)]
+    return (
+        g,
+        [torch.randn(7, 3), torch.randn(11), torch.randn(1)],
+        [torch.rand(7, 3), torch.rand(11), torch.rand(1)],
+    )
 
 
 def _opcheck(op, args):

@@ -196,7 +196,8 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
         };
         using T = std::true_type;
         using F = std::false_type;
-        partial[t] = has_shift ? (has_scale ? run(T{}, T{}) : run(T{}, F{})) : (has_scale ? run(F{}, T{}) : run(F{}, F{}));
+        partial[t] = has_shift ? (has_scale ? run(T{}, T{}) : run(T{}, F{}))
+                               : (has_scale ? run(F{}, T{}) : run(F{}, F{}));
       });
     }
   });
@@ -212,8 +213,8 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
 // clip_factors: c = clip_weight(mode, n, C_l, r), elementwise over [B] or [B, L].
 // ---------------------------------------------------------------------------------------------
 
-at::Tensor clip_factors_cpu(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm, c10::string_view mode,
-                            double r) {
+at::Tensor clip_factors_cpu(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm,
+                            c10::string_view mode, double r) {
   DPK_CHECK(norms.device().is_cpu(), "norms must be a CPU tensor for the cpu kernel");
   const std::vector<double> C = clip_bounds(max_grad_norm, norms);
   const ClipMode m = parse_clip_mode(mode);
@@ -244,8 +245,8 @@ struct SumEpilogue {
   float std = 0.f, scale = 1.f;
   bool philox = false;
   cpu::NoiseKey key{};
-  std::vector<int64_t> offset;       // global element index of each parameter's first element
-  std::vector<const float*> noise;   // pre-drawn noise per parameter, or empty
+  std::vector<int64_t> offset;      // global element index of each parameter's first element
+  std::vector<const float*> noise;  // pre-drawn noise per parameter, or empty
 
   void finish(int64_t l, int64_t begin, int64_t n, float* acc, float* out) const {
     if (philox) {
@@ -286,9 +287,9 @@ void axpy_rows(float* acc, const scalar_t* const* rows, const float* c, int64_t 
 }
 
 template <typename scalar_t>
-void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, int64_t k, const double* alpha,
-                        const float* w, int64_t w_stride, float* out, int64_t l, int64_t begin, int64_t end,
-                        const SumEpilogue& ep) {
+void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, int64_t k,
+                        const double* alpha, const float* w, int64_t w_stride, float* out, int64_t l,
+                        int64_t begin, int64_t end, const SumEpilogue& ep) {
   alignas(64) float acc[kSumChunk];
   const int64_t n = end - begin;
   std::fill(acc, acc + n, 0.f);
@@ -342,8 +343,8 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
       const SumTask& task = tasks[t];
       DPK_DISPATCH_GRAD_TYPES(grads[task.l].scalar_type(), "weighted_sum", [&] {
         for (int64_t j = 0; j < lay.k; ++j) bases[j] = grads[j * lay.L + task.l].const_data_ptr<scalar_t>();
-        weighted_sum_range<scalar_t>(reinterpret_cast<const scalar_t* const*>(bases.data()), lay.numel[task.l],
-                                     lay.B, lay.k, coeffs.data(), w + task.l, lay.L,
+        weighted_sum_range<scalar_t>(reinterpret_cast<const scalar_t* const*>(bases.data()),
+                                     lay.numel[task.l], lay.B, lay.k, coeffs.data(), w + task.l, lay.L,
                                      out[task.l].data_ptr<float>(), task.l, task.begin, task.end, ep);
       });
     }
@@ -351,24 +352,26 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
   return out;
 }
 
-std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, const at::Tensor& weights) {
+std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                         const at::Tensor& weights) {
   return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{});
 }
 
 std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                           const at::Tensor& weights, double noise_std, int64_t seed, int64_t step,
-                                           int64_t stream, double out_scale, at::TensorList noise) {
+                                           const at::Tensor& weights, double noise_std, int64_t seed,
+                                           int64_t step, int64_t stream, double out_scale,
+                                           at::TensorList noise) {
   DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
   SumEpilogue ep;
   ep.std = static_cast<float>(noise_std);
   ep.scale = static_cast<float>(out_scale);
   if (!noise.empty()) {
     const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
-    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L, "), got ",
-              noise.size());
+    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L,
+              "), got ", noise.size());
     for (int64_t l = 0; l < L; ++l) {
-      DPK_CHECK(noise[l].device().is_cpu() && noise[l].scalar_type() == at::kFloat && noise[l].is_contiguous() &&
-                    noise[l].sizes() == grads[l].sizes().slice(1),
+      DPK_CHECK(noise[l].device().is_cpu() && noise[l].scalar_type() == at::kFloat &&
+                    noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),
                 "noise[", l, "] must be a contiguous float32 CPU tensor shaped like parameter ", l);
       ep.noise.push_back(noise[l].const_data_ptr<float>());
     }

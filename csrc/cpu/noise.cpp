@@ -20,7 +20,7 @@
 namespace dpkernels {
 namespace {
 
-using namespace cpu;  // NOLINT: kernels of this file are the cpu:: building blocks
+using namespace cpu;                 // NOLINT: kernels of this file are the cpu:: building blocks
 constexpr int64_t kGrain = 1 << 14;  // elements per parallel task
 
 // Calls sink(first_element, values, count) over element range [e0, e1) of the global stream,
@@ -51,8 +51,8 @@ void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stre
 }
 
 // out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
-void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset,
-                  bool accumulate) {
+void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                  int64_t offset, bool accumulate) {
   const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   const float s = static_cast<float>(std);
@@ -76,7 +76,8 @@ void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step
   }
 }
 
-void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
+                       int64_t offset) {
   gaussian_cpu({out}, std, seed, step, stream, offset, /*accumulate=*/false);
 }
 

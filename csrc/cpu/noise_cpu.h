@@ -16,7 +16,7 @@ namespace dpkernels {
 namespace cpu {
 
 constexpr int kBatch = at::vec::Vectorized<float>::size();  // Philox blocks per run
-constexpr int64_t kRun = 4 * kBatch;                          // elements per run
+constexpr int64_t kRun = 4 * kBatch;                        // elements per run
 
 struct NoiseKey {
   uint64_t seed;
@@ -38,7 +38,9 @@ struct U32Vec {
   static U32Vec load(const uint32_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
   void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm256_xor_si256(a.v, b.v)}; }
-  friend U32Vec operator^(U32Vec a, uint32_t k) { return {_mm256_xor_si256(a.v, _mm256_set1_epi32(static_cast<int>(k)))}; }
+  friend U32Vec operator^(U32Vec a, uint32_t k) {
+    return {_mm256_xor_si256(a.v, _mm256_set1_epi32(static_cast<int>(k)))};
+  }
 };
 
 // 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
@@ -89,7 +91,8 @@ inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
     U32Vec c0 = U32Vec::load(lanes[0]), c1 = U32Vec::load(lanes[1]), c2 = U32Vec::load(lanes[2]),
            c3 = U32Vec::load(lanes[3]);
     uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-    for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1) philox_round(c0, c1, c2, c3, k0, k1);
+    for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1)
+      philox_round(c0, c1, c2, c3, k0, k1);
     c0.store(lanes[0]);
     c1.store(lanes[1]);
     c2.store(lanes[2]);
@@ -111,8 +114,10 @@ inline void normal_run(uint64_t block, const NoiseKey& key, float* z) {
   alignas(64) float out[4][kBatch];
   for (int pair = 0; pair < 2; ++pair) {
     // Same formula as box_muller() in philox.h, kBatch lanes at a time.
-    const at::vec::Vectorized<float> r = (at::vec::Vectorized<float>(-2.0f) * at::vec::Vectorized<float>::loadu(u[2 * pair]).log()).sqrt();
-    const at::vec::Vectorized<float> theta = at::vec::Vectorized<float>(6.2831853071795865f) * at::vec::Vectorized<float>::loadu(u[2 * pair + 1]);
+    const at::vec::Vectorized<float> r =
+        (at::vec::Vectorized<float>(-2.0f) * at::vec::Vectorized<float>::loadu(u[2 * pair]).log()).sqrt();
+    const at::vec::Vectorized<float> theta =
+        at::vec::Vectorized<float>(6.2831853071795865f) * at::vec::Vectorized<float>::loadu(u[2 * pair + 1]);
     (r * theta.cos()).store(out[2 * pair]);
     (r * theta.sin()).store(out[2 * pair + 1]);
   }

@@ -20,9 +20,8 @@ exact to fp32 rounding and cannot overflow for any finite gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -190,7 +189,9 @@ def privatized_sum(
     if noise is None:
         total = sum(s.numel() for s in sums)
         z = standard_normal(total, seed=seed, step=step, stream=stream, device=sums[0].device)
-        noise = [noise_std * part.view_as(s) for part, s in zip(torch.split(z, [s.numel() for s in sums]), sums)]
+        noise = [
+            noise_std * part.view_as(s) for part, s in zip(torch.split(z, [s.numel() for s in sums]), sums, strict=True)
+        ]
     return [(s + nu.to(s.dtype)) * out_scale for s, nu in zip(sums, noise, strict=True)]
 
 

@@ -25,18 +25,20 @@ inline ClipLayout check_clip_inputs(at::TensorList grads, at::ArrayRef<double> c
   ClipLayout lay;
   lay.k = static_cast<int64_t>(coeffs.size());
   DPK_CHECK(lay.k > 0, "coeffs must not be empty");
-  DPK_CHECK(!grads.empty() && grads.size() % lay.k == 0, "got ", grads.size(), " gradient tensors for ", lay.k,
-            " sets");
+  DPK_CHECK(!grads.empty() && grads.size() % lay.k == 0, "got ", grads.size(), " gradient tensors for ",
+            lay.k, " sets");
   lay.L = static_cast<int64_t>(grads.size()) / lay.k;
   lay.B = grads[0].dim() > 0 ? grads[0].size(0) : 0;
   for (size_t t = 0; t < grads.size(); ++t) {
     const auto& g = grads[t];
     const int64_t l = static_cast<int64_t>(t) % lay.L;
     DPK_CHECK(g.device().type() == device, "grads[", t, "] is on ", g.device(), ", expected ", device);
-    DPK_CHECK(g.dim() >= 1 && g.size(0) == lay.B, "grads[", t, "] must be [B=", lay.B, ", ...], got ", g.sizes());
+    DPK_CHECK(g.dim() >= 1 && g.size(0) == lay.B, "grads[", t, "] must be [B=", lay.B, ", ...], got ",
+              g.sizes());
     DPK_CHECK(g.is_contiguous(), "grads[", t, "] must be contiguous");
-    DPK_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16,
-              "grads[", t, "] has dtype ", g.scalar_type(), "; supported: float32, float16, bfloat16");
+    DPK_CHECK(
+        g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16,
+        "grads[", t, "] has dtype ", g.scalar_type(), "; supported: float32, float16, bfloat16");
     DPK_CHECK(g.scalar_type() == grads[l].scalar_type() && g.sizes() == grads[l].sizes(), "grads[", t,
               "] must match set 0's tensor ", l, " in shape and dtype");
     if (t < static_cast<size_t>(lay.L)) lay.numel.push_back(c10::multiply_integers(g.sizes().slice(1)));

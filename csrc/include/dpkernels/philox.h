@@ -45,7 +45,8 @@ DPK_HOST_DEVICE inline Philox4 philox4x32_10(uint64_t block, uint32_t step, uint
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1) philox_round(c0, c1, c2, c3, k0, k1);
+  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1)
+    philox_round(c0, c1, c2, c3, k0, k1);
   return {{c0, c1, c2, c3}};
 }
 
