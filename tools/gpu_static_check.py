@@ -2,10 +2,12 @@
 
 Compiles the real GPU code ahead of time and inspects what the compilers produced:
 
-1. Every Triton kernel in ``triton_kernels/clip.py`` goes through ``triton.compile`` with an
-   ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming kernel (the two that read the
-   ``B×D`` per-sample gradients) fails the check unless its PTX has 128-bit global loads
-   (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. Registers and spills come from
+1. Every Triton kernel in ``triton_kernels/clip.py`` and ``triton_kernels/noise.py`` goes through
+   ``triton.compile`` with an ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming
+   kernel (the two that read the ``B×D`` per-sample gradients) fails the check unless its PTX has
+   128-bit global loads (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. The noise
+   kernel must use no local memory in any variant, and its aligned variants must store with
+   128-bit vectors (and load with them when adding in place). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
    in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, or a
@@ -45,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = (80, 90)
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
+NOISE_KERNELS = ("_noise_kernel",)
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -54,6 +57,17 @@ _WIDE = (".v4.b32", ".v4.f32", ".v4.u32", ".v4.s32", ".v2.b64", ".v2.f64", ".v2.
 
 def _is_128(op: str) -> bool:
     return any(w in op for w in _WIDE)
+
+
+def _requirements(kernel: str, consts: dict) -> dict:
+    """What the PTX of one variant must show: 128-bit loads / stores, no local memory."""
+    if kernel in STREAMING_KERNELS:
+        return {"loads_128": True, "stores_128": False, "no_local": True}
+    if kernel in NOISE_KERNELS:
+        # MODE 2 adds in place (reads the tensor); unaligned variants use narrow accesses.
+        aligned = bool(consts.get("ALIGNED"))
+        return {"loads_128": aligned and consts["MODE"] == 2, "stores_128": aligned, "no_local": True}
+    return {"loads_128": False, "stores_128": False, "no_local": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +123,7 @@ def _triton_specs():
     import triton.language as tl
 
     from triton_kernels import clip as tk
+    from triton_kernels import noise as tn
 
     ptr_tables = (
         "grad_ptrs",
@@ -146,6 +161,18 @@ def _triton_specs():
         for mode, mode_id in tk._MODE_IDS.items():
             consts = dict(MODE=mode_id, BLOCK=tk.CLIP_BLOCK)
             specs.append((tk._clip_factors_kernel, f"{name} {mode}", sig, consts, 4))
+
+    noise_sig = {n: "*i64" for n in ("ptrs", "numels", "bases", "tile_slot", "tile_start", "key")}
+    noise_sig["std"] = "fp32"
+    noise_variants = [("words int64", tn.MODE_WORDS, tl.int64, True)]
+    for name, elem in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
+        noise_variants.append((f"fill {name}", tn.MODE_FILL, elem, True))
+        noise_variants.append((f"add {name}", tn.MODE_ADD, elem, True))
+        noise_variants.append((f"add {name} unaligned", tn.MODE_ADD, elem, False))
+    for variant, mode, elem, aligned in noise_variants:
+        vec = 128 // elem.primitive_bitwidth  # elements per 128-bit vector
+        consts = dict(MODE=mode, ELEM=elem, BLOCK=tn.NOISE_BLOCK, ALIGNED=aligned, VEC=vec)
+        specs.append((tn._noise_kernel, variant, noise_sig, consts, tn.NOISE_NUM_WARPS))
     return specs
 
 
@@ -193,6 +220,7 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                     "num_warps": num_warps,
                 }
                 rec["streaming"] = fn.__name__ in STREAMING_KERNELS
+                need = _requirements(fn.__name__, consts)
                 t0 = time.perf_counter()
                 try:
                     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
@@ -219,10 +247,13 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 problems = []
                 if "ptxas_error" in rec:
                     problems.append("ptxas failed on the Triton PTX")
-                if rec["streaming"] and rec["loads_128"] == 0:
+                if need["loads_128"] and rec["loads_128"] == 0:
                     problems.append("no 128-bit global loads (ld.global.v4) in a streaming kernel")
-                if rec["streaming"] and rec["local_memory"]:
-                    problems.append("uses local memory (.local) in a streaming kernel")
+                if need["stores_128"] and rec["stores_128"] == 0:
+                    problems.append("no 128-bit global stores (st.global.v4 / .v2.b64) in an aligned variant")
+                if need["no_local"] and rec["local_memory"]:
+                    kind = "a streaming kernel" if rec["streaming"] else "the noise kernel"
+                    problems.append(f"uses local memory (.local) in {kind}")
                 if rec.get("spill_stores", 0) or rec.get("spill_loads", 0):
                     problems.append(f"spills {rec['spill_stores']} B stores / {rec['spill_loads']} B loads")
                 rec.update(ok=not problems, problems=problems)

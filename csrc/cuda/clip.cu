@@ -147,9 +147,9 @@ struct WsumArgs {
 // CUDA twin of SumEpilogue in csrc/cpu/clip.cpp. kNone is the plain weighted sum.
 enum class SumMode : int32_t { kNone, kScale, kNoise, kPhilox };
 struct SumEpilogue {
-  uint64_t seed = 0;         // Philox key
-  float std = 0.f;           // kPhilox: ν = std * z(global index)
-  float scale = 1.f;         // out = (S + ν) * scale
+  uint64_t seed = 0;              // Philox key
+  float std = 0.f;                // kPhilox: ν = std * z(global index)
+  float scale = 1.f;              // out = (S + ν) * scale
   uint32_t step = 0, stream = 0;  // Philox counter words 2 and 3
   SumMode mode = SumMode::kNone;
 };
@@ -462,8 +462,8 @@ __device__ __forceinline__ float normal_at(uint64_t g, const SumEpilogue& ep) {
 // weighted_sum_kernel). The noise term std * z is rounded before the add, as in the reference (no FMA
 // contraction), so that the result is (S + round(std * z)) * scale on every backend.
 template <int N, bool kVec>
-__device__ __forceinline__ void private_epilogue(const WsumArgs& a, const SumEpilogue& ep, int s, int64_t start,
-                                                 int col, int len, float (&acc)[N]) {
+__device__ __forceinline__ void private_epilogue(const WsumArgs& a, const SumEpilogue& ep, int s,
+                                                 int64_t start, int col, int len, float (&acc)[N]) {
   constexpr int kStride = kVec ? 1 : kWsumThreads;
   if (ep.mode == SumMode::kPhilox) {
     // Global index of the thread's first element.
@@ -818,7 +818,8 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
 // The weighted sum with the epilogue ep (mode kNone: the plain op). noise: empty, or the pre-drawn
 // noise of every parameter (ep.mode == kNoise), already checked by privatized_sum_cuda.
 std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                          const at::Tensor& weights, const SumEpilogue& ep, at::TensorList noise) {
+                                          const at::Tensor& weights, const SumEpilogue& ep,
+                                          at::TensorList noise) {
   const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
   check_one_device(grads, {}, {});
   check_num_sets(lay.k);
@@ -887,7 +888,8 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
 
 std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
                                             const at::Tensor& weights, double noise_std, int64_t seed,
-                                            int64_t step, int64_t stream, double out_scale, at::TensorList noise) {
+                                            int64_t step, int64_t stream, double out_scale,
+                                            at::TensorList noise) {
   DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
   SumEpilogue ep;
   ep.std = static_cast<float>(noise_std);
@@ -895,8 +897,8 @@ std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<d
   ep.mode = SumMode::kScale;
   if (!noise.empty()) {
     const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
-    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L, "), got ",
-              noise.size());
+    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L,
+              "), got ", noise.size());
     for (int64_t l = 0; l < L; ++l) {
       DPK_CHECK(noise[l].device() == grads[l].device() && noise[l].scalar_type() == at::kFloat &&
                     noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),

@@ -1,0 +1,392 @@
+"""Triton kernels for dpkernels' counter-based Gaussian noise (spec: docs/RNG.md).
+
+Same words and the same Gaussians as ``dpkernels/reference/noise.py`` (the ground truth) and
+``csrc/include/dpkernels/philox.h``:
+
+- Philox4x32-10, key = the 64-bit ``seed``, counter = (block low, block high, ``step``,
+  ``stream``) with ``block = e // 4`` for the global flat element index ``e``; element ``e`` takes
+  word ``e % 4``. The words are bit-identical to the reference (``tl.uint32`` state; each
+  32×32-bit product is one zero-extended 64-bit multiply split into its halves, which is
+  ``mul.wide.u32`` on GPU and fewer SASS instructions than ``tl.umulhi`` plus a low multiply).
+- Box–Muller on the word pairs (w0, w1) and (w2, w3) of a block, fp32: ``u = float32(x)·2⁻³² +
+  2⁻³³``, ``r = sqrt(−2 ln u_first)``, ``θ = 2π u_second``, ``z = (r cos θ, r sin θ)``.
+
+Work split: a program handles one *tile* of ``NOISE_BLOCK`` consecutive elements of one tensor,
+and tiles are aligned to Philox blocks in the **global** index (a tensor's first tile starts at
+its first element rounded down to a multiple of 4, masked below it). A tile therefore needs
+exactly ``NOISE_BLOCK / 4`` Philox calls and uses all four words of each; a block straddling two
+tensors is computed by a tile of each, and each element still gets its own word. The four words
+(or normals) of a block are interleaved into element order with ``tl.join`` + ``tl.reshape``, so
+each GPU thread owns whole blocks: 4 consecutive elements, one 128-bit load/store for fp32
+when the tensor is *aligned* (16-byte aligned storage, first element on a Philox block
+boundary, numel a multiple of the vector width). For 16-bit dtypes (8 elements per 128-bit
+vector) and the int64 words, Triton re-lays the values out through shared memory before the
+128-bit stores. Tensors that are not aligned take the same kernel with narrow accesses (and a
+shared-memory re-layout); the noise is the same, only slower.
+
+Multi-tensor launches follow ``clip.py``: tensors are grouped by (dtype, alignment), each group
+is one launch over a tile table (tensor slot, first local element) with the tensors' addresses,
+numels and global base indices in int64 tables; the key and counter fields travel in the same
+int64 metadata tensor, so one host-to-device copy carries everything and the compiled kernel
+does not specialise on seed/step/stream values.
+
+Numerics:
+
+- ``log`` is ``tl.log`` (on GPU, Triton 3.8 lowers it to libdevice's ``__nv_logf``, ≤ 1 ulp,
+  not ``lg2.approx``) and ``sqrt`` is
+  ``tl.sqrt_rn`` (IEEE ``sqrt.rn.f32``, as torch; ``tl.sqrt`` would be ``sqrt.approx``).
+- ``sin``/``cos`` are evaluated here rather than with ``tl.sin``/``tl.cos``: on GPU those lower to
+  libdevice ``__nv_sinf``/``__nv_cosf`` (accurate, but each carries a Payne–Hanek slow path with a
+  local-memory array and its own range reduction). ``θ`` is formed exactly as in the reference,
+  ``fl(2π_f · u)`` with ``2π_f = float32(2π)``, then reduced once for both by ``j·π/2`` (``j =
+  round(θ·2/π) ∈ 0..4``; three-part Cody–Waite constant whose first two parts make ``j·C`` exact
+  without FMA, so the interpreter and the GPU agree) and fed to Cephes' ``sinf``/``cosf``
+  polynomials on [−π/4, π/4]. Checked exhaustively over every possible ``u`` (all 5·2²⁴ distinct
+  fp32 values of ``float32(x)``), with and without FMA contraction: |error| ≤ 7.8e-8 against
+  fp64 ``cos``/``sin`` of the fp32 ``θ`` and ≤ 6.0e-8 against torch's fp32 ``cos``/``sin``,
+  i.e. ≤ 4.1e-7 on ``z`` at the largest ``r = 6.7637``. Over 2²² draws the interpreted kernel is
+  within 9.6e-7 of the reference (68 % bit-identical) and 5.8e-7 of an fp64 Box–Muller on the
+  same words (the reference: 6.0e-7).
+- ``std · z`` is fp32 and rounded once to the output dtype. On GPU, ptxas may contract
+  ``x + std·z`` of ``add_gaussian_noise_`` into one FMA (as nvcc does for the CUDA kernel), which
+  can differ from the reference's two roundings by 1 ulp of the fp32 sum.
+- bf16 outputs: the interpreter converts fp32→bf16 by truncation, so under the interpreter the
+  kernel rounds to nearest-even with integer ops itself; compiled kernels use ``cvt.rn.bf16``.
+
+Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta
+
+# ---------------------------------------------------------------------------------------------
+# Launch constants
+# ---------------------------------------------------------------------------------------------
+
+#: Elements per program (NOISE_BLOCK / 4 Philox calls), a multiple of 8 so that an aligned tile
+#: splits into whole 128-bit vectors for every dtype. 4096 over 8 warps: each GPU thread works
+#: on 4 independent Philox blocks (16 elements).
+NOISE_BLOCK = 4096
+NOISE_NUM_WARPS = 8
+#: Under the interpreter a program costs ~300 interpreted tensor ops (~50 ms) whatever its size,
+#: so tiles are much larger there; the results do not depend on the tile size.
+INTERPRETER_NOISE_BLOCK = 1 << 16
+
+#: Kernel modes: raw words to int64, ``out = std·z``, ``x += std·z``.
+MODE_WORDS, MODE_FILL, MODE_ADD = 0, 1, 2
+
+# Philox4x32-10 (Random123); mirrors dpkernels/reference/noise.py.
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+PHILOX_ROUNDS = tl.constexpr(10)
+MASK32 = tl.constexpr(0xFFFFFFFF)
+
+TWO_POW_M32 = tl.constexpr(2.0**-32)
+TWO_POW_M33 = tl.constexpr(2.0**-33)
+TWO_PI = tl.constexpr(6.2831853071795865)  # rounded to float32 in the kernel, as in the spec
+TWO_OVER_PI = tl.constexpr(0.6366197723675814)
+# π/2 = C1 + C2 + C3: C1 has 8 significant bits and C2 11, so j·C1 and j·C2 are exact for
+# j <= 4 and θ − j·C1 is exact (Sterbenz); C3 carries the rest (Cephes sinf's DP1..3, doubled).
+PIO2_C1 = tl.constexpr(1.5703125)
+PIO2_C2 = tl.constexpr(4.837512969970703125e-4)
+PIO2_C3 = tl.constexpr(7.54978995489188216e-8)
+# Cephes sinf/cosf minimax polynomials on [-π/4, π/4].
+SIN_P0 = tl.constexpr(-1.6666654611e-1)
+SIN_P1 = tl.constexpr(8.3321608736e-3)
+SIN_P2 = tl.constexpr(-1.9515295891e-4)
+COS_P0 = tl.constexpr(4.166664568298827e-2)
+COS_P1 = tl.constexpr(-1.388731625493765e-3)
+COS_P2 = tl.constexpr(2.443315711809948e-5)
+
+#: Round fp32 -> bf16 with integer ops (the interpreter's own conversion truncates).
+_EMULATE_BF16_RNE = tl.constexpr(_interpreting())
+
+_WORDS_DTYPE = torch.int64
+_ALL_DTYPES = {**_TL_DTYPES, _WORDS_DTYPE: tl.int64}
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+
+@triton.jit
+def _mulhilo(a, m):
+    """High and low words of the 64-bit product of uint32 ``a`` and the constant ``m``."""
+    # One widening multiply (mul.wide.u32 on GPU). A 64-bit product also keeps Triton's
+    # overflow sanitizer (debug mode) away from the intended uint32 wraparound.
+    p = a.to(tl.uint64) * m
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+
+@triton.jit
+def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 counters; ``k0``/``k1``: the key halves as int64 scalars."""
+    for r in tl.static_range(PHILOX_ROUNDS):
+        # Round keys in int64, reduced mod 2^32 (no uint32 wraparound on scalars; on GPU this
+        # folds to 32-bit adds).
+        rk0 = ((k0 + r * PHILOX_W0) & MASK32).to(tl.uint32)
+        rk1 = ((k1 + r * PHILOX_W1) & MASK32).to(tl.uint32)
+        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ rk0, lo1, hi0 ^ c3 ^ rk1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _box_muller(a, b):
+    """Normals ``(r cos θ, r sin θ)`` from uint32 word pairs ``(a, b)``, elementwise, fp32.
+
+    ``u = float32(x)·2⁻³² + 2⁻³³`` (round-to-nearest conversion, exact product), ``r =
+    sqrt(−2 ln u_a)``, ``θ = fl(2π_f · u_b)``; cos/sin as described at the top of the file.
+    """
+    u_a = a.to(tl.float32) * TWO_POW_M32 + TWO_POW_M33
+    u_b = b.to(tl.float32) * TWO_POW_M32 + TWO_POW_M33
+    r = tl.sqrt_rn(-2.0 * tl.log(u_a))
+    theta = TWO_PI * u_b
+    # θ = j·π/2 + x with j = round(θ·2/π) in 0..4 (truncation rounds: θ >= 0), |x| <= π/4.
+    j = (theta * TWO_OVER_PI + 0.5).to(tl.int32)
+    jf = j.to(tl.float32)
+    x = theta - jf * PIO2_C1
+    x = x - jf * PIO2_C2
+    x = x - jf * PIO2_C3
+    x2 = x * x
+    s = x * x2 * ((SIN_P2 * x2 + SIN_P1) * x2 + SIN_P0) + x
+    c = ((COS_P2 * x2 + COS_P1) * x2 + COS_P0) * x2 * x2 - 0.5 * x2 + 1.0
+    # Rotate by the quadrant q = j mod 4: (cos θ, sin θ) = (c, s), (−s, c), (−c, −s), (s, −c).
+    q = j & 3
+    swap = (q & 1) != 0
+    r_cos = tl.where(((q + 1) & 2) != 0, -r, r)
+    r_sin = tl.where((q & 2) != 0, -r, r)
+    return r_cos * tl.where(swap, s, c), r_sin * tl.where(swap, c, s)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 ``v`` rounded to nearest-even in ``dtype``."""
+    if dtype == tl.bfloat16 and _EMULATE_BF16_RNE:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)  # NaN stays NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def _noise_kernel(
+    ptrs,
+    numels,
+    bases,
+    tile_slot,
+    tile_start,
+    key,
+    std,
+    MODE: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """One tile of ``BLOCK`` elements of tensor ``t``: words, ``std·z``, or ``x += std·z``.
+
+    Grid ``(num_tiles,)``. ``ptrs``/``numels``/``bases``: int64 ``[T]``, the address (``ELEM``
+    elements), element count and global index of element 0 of each tensor; ``tile_slot`` /
+    ``tile_start``: int64 ``[num_tiles]``, the tensor and the local index of the tile's first
+    element (negative for a first tile that starts inside the previous tensor's last block;
+    ``bases[t] + tile_start`` is a multiple of 4); ``key``: int64 ``[4]`` = (seed low, seed
+    high, step, stream). ``MODE``: ``MODE_WORDS`` stores the uint32 words as int64 (``ELEM`` =
+    int64), ``MODE_FILL`` stores ``std·z``, ``MODE_ADD`` adds it to the fp32 value of each element.
+    ``ALIGNED``: the address is 16-byte aligned, ``numels[t]`` a multiple of ``VEC`` (elements
+    per 128-bit vector) and ``bases[t]`` of 4, so tiles start at local multiples of ``BLOCK``.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(tile_slot + pid)
+    start = tl.load(tile_start + pid)
+    n = tl.load(numels + t)
+    base = tl.load(bases + t)
+    if ALIGNED:
+        start = tl.multiple_of(start, VEC)
+        n = tl.multiple_of(n, VEC)
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < n
+    if not ALIGNED:
+        mask = mask & (idx >= 0)
+
+    # The tile's Philox blocks: global elements base + start + [0, BLOCK), 4 per block.
+    blocks = ((base + start) >> 2) + tl.arange(0, BLOCK // 4)
+    c0 = (blocks & MASK32).to(tl.uint32)
+    c1 = (blocks >> 32).to(tl.uint32)
+    c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
+    c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
+    w0, w1, w2, w3 = _philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
+
+    p = tl.load(ptrs + t).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        # On the typed pointer: a hint on the int64 address is lost by the int->ptr cast.
+        p = tl.multiple_of(p, 16)
+    if MODE == 0:
+        # join(join(w0, w2), join(w1, w3))[b, i, j] = w_{2i+j}: element order, each thread
+        # keeps the 4 words of its blocks.
+        words = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+        tl.store(p + idx, tl.reshape(words, [BLOCK]).to(tl.int64), mask=mask)
+    else:
+        # Both Box-Muller pairs at once on [BLOCK/4, 2]: (w0, w1) in column 0, (w2, w3) in 1.
+        z_first, z_second = _box_muller(tl.join(w0, w2), tl.join(w1, w3))
+        # join(z_first, z_second)[b, i, j] = z_{2i+j}.
+        v = std * tl.reshape(tl.join(z_first, z_second), [BLOCK])
+        if MODE == 2:
+            v += tl.load(p + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p + idx, _round_to(v, ELEM), mask=mask)
+
+
+# =============================================================================================
+# Host side
+# =============================================================================================
+
+
+class _Group(NamedTuple):
+    """One launch: tensors sharing dtype and alignment, in list order."""
+
+    dtype: torch.dtype
+    aligned: bool
+    tensors: list[torch.Tensor]
+    bases: list[int]
+
+
+def _check(tensors: Sequence[torch.Tensor], dtypes, what: str) -> torch.device:
+    device = tensors[0].device
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
+            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+        )
+    for i, x in enumerate(tensors):
+        if x.dtype not in dtypes:
+            raise TypeError(f"{what}[{i}] has dtype {x.dtype}; expected one of {tuple(dtypes)}")
+        if x.device != device:
+            raise ValueError(f"{what}[{i}] is on {x.device} but {what}[0] is on {device}")
+        if not x.is_contiguous():
+            raise ValueError(f"{what}[{i}] must be contiguous (written in place)")
+    return device
+
+
+def _check_counter(seed: int, step: int, stream: int, offset: int) -> list[int]:
+    fields = (("seed", seed, 64), ("step", step, 32), ("stream", stream, 32), ("offset", offset, 62))
+    for name, value, bits in fields:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+            raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
+    return [seed & 0xFFFFFFFF, seed >> 32, step, stream]
+
+
+def _aligned(x: torch.Tensor, base: int) -> bool:
+    """Vector accesses are legal: aligned storage, block-aligned start, whole vectors."""
+    vec = _VEC_BYTES // x.element_size()
+    return x.data_ptr() % _VEC_BYTES == 0 and x.numel() % vec == 0 and base % 4 == 0
+
+
+def _groups(tensors: Sequence[torch.Tensor], offset: int) -> list[_Group]:
+    """Non-empty tensors grouped by (dtype, alignment), with each tensor's global base index."""
+    by_key: dict[tuple[torch.dtype, bool], _Group] = {}
+    base = offset
+    for x in tensors:
+        if x.numel():
+            key = (x.dtype, _aligned(x, base))
+            grp = by_key.setdefault(key, _Group(x.dtype, key[1], [], []))
+            grp.tensors.append(x)
+            grp.bases.append(base)
+        base += x.numel()
+    return list(by_key.values())
+
+
+def _tiles(numels: Sequence[int], bases: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile table: for each tile, its tensor slot and local first element (see the kernel).
+
+    Tensor ``t`` covers global elements ``[bases[t], bases[t] + numels[t])``; its tiles start at
+    ``bases[t]`` rounded down to a multiple of 4. Built with tensor ops (a large model has ~10^6
+    tiles); a tensor's tiles are consecutive entries.
+    """
+    n = torch.tensor(numels, dtype=torch.int64)
+    head = torch.tensor(bases, dtype=torch.int64) % 4
+    counts = (n + head + block - 1) // block
+    slots = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
+    first = torch.cumsum(counts, 0) - counts
+    starts = (torch.arange(slots.numel(), dtype=torch.int64) - first[slots]) * block - head[slots]
+    return slots, starts
+
+
+def _launch(tensors: Sequence[torch.Tensor], std: float, counter: list[int], offset: int, mode: int) -> None:
+    groups = _groups(tensors, offset)
+    if not groups:
+        return
+    block = INTERPRETER_NOISE_BLOCK if _interpreting() else NOISE_BLOCK
+    meta = _Meta()
+    key_h = meta.add(counter)
+    launches = []
+    for grp in groups:
+        numels = [x.numel() for x in grp.tensors]
+        slots, starts = _tiles(numels, grp.bases, block)
+        handles = (
+            meta.add([x.data_ptr() for x in grp.tensors]),
+            meta.add(numels),
+            meta.add(grp.bases),
+            meta.add(slots),
+            meta.add(starts),
+        )
+        launches.append((grp, handles, slots.numel()))
+    device = tensors[0].device
+    meta.finish(device)
+    with _device_guard(device):
+        for grp, h, n_tiles in launches:
+            _noise_kernel[(n_tiles,)](
+                *(meta[x] for x in h), meta[key_h], float(std),
+                MODE=mode, ELEM=_ALL_DTYPES[grp.dtype], BLOCK=block, ALIGNED=grp.aligned,
+                VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=NOISE_NUM_WARPS,
+            )  # fmt: skip
+
+
+# =============================================================================================
+# Host functions (called by dpkernels/noise.py)
+# =============================================================================================
+
+
+def philox_uint32_(out: torch.Tensor, seed: int, step: int, stream: int = 0, offset: int = 0) -> torch.Tensor:
+    """``out[i]`` = the Philox word of element ``offset + i``, in [0, 2³²); ``out``: contiguous int64."""
+    _check([out], (_WORDS_DTYPE,), "out")
+    _launch([out], 0.0, _check_counter(seed, step, stream, offset), offset, MODE_WORDS)
+    return out
+
+
+def gaussian_fill_(
+    out: torch.Tensor, std: float, seed: int, step: int, stream: int = 0, offset: int = 0
+) -> torch.Tensor:
+    """``out[i] = std · z(offset + i)``, computed in fp32 and rounded once to ``out``'s dtype."""
+    _check([out], _TL_DTYPES, "out")
+    _launch([out], std, _check_counter(seed, step, stream, offset), offset, MODE_FILL)
+    return out
+
+
+def add_gaussian_noise_(
+    tensors: Sequence[torch.Tensor], std: float, seed: int, step: int, stream: int = 0, offset: int = 0
+) -> list[torch.Tensor]:
+    """In place: ``tensors[t][i] += std · z(offset + Σ_{s<t} numel(tensors[s]) + i)``.
+
+    The sum is formed in fp32 and rounded once. One launch per (dtype, alignment) group.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    _check(tensors, _TL_DTYPES, "tensors")
+    _launch(tensors, std, _check_counter(seed, step, stream, offset), offset, MODE_ADD)
+    return tensors
