@@ -389,3 +389,27 @@ def test_available_backends():
     found = dpkernels.available_backends()
     assert found[0] == "reference" and set(found) <= set(dpkernels.BACKENDS)
     assert "cuda" not in dpkernels.available_backends("cpu")
+
+
+def test_pure_python_install_falls_back(tmp_path):
+    """Without the compiled extension the package still imports and runs on reference."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['dpkernels._C'] = None\n"
+        "import torch, dpkernels\n"
+        "assert 'cpu' not in dpkernels.available_backends(), dpkernels.available_backends()\n"
+        "sums, norms = dpkernels.clip_and_accumulate([torch.randn(3, 4)], 1.0)\n"
+        "assert norms.shape == (3,)\n"
+        "try:\n"
+        "    dpkernels.clip_and_accumulate([torch.randn(3, 4)], 1.0, backend='cpu')\n"
+        "except RuntimeError as e:\n"
+        "    assert 'without its C++ extension' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('cpu backend must be unavailable')\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
