@@ -244,7 +244,7 @@ struct SumTask {
 struct SumEpilogue {
   float std = 0.f, scale = 1.f;
   bool philox = false;
-  cpu::NoiseKey key{};
+  NoiseKey key{};
   std::vector<int64_t> offset;      // global element index of each parameter's first element
   std::vector<const float*> noise;  // pre-drawn noise per parameter, or empty
 
@@ -377,7 +377,7 @@ std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<do
     }
   } else if (noise_std > 0) {
     ep.philox = true;
-    ep.key = cpu::make_key(seed, step, stream);
+    ep.key = make_key(seed, step, stream);
   }
   return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "dpkernels/macros.h"
+#include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
 
 namespace dpkernels {
@@ -17,18 +18,6 @@ namespace cpu {
 
 constexpr int kBatch = at::vec::Vectorized<float>::size();  // Philox blocks per run
 constexpr int64_t kRun = 4 * kBatch;                        // elements per run
-
-struct NoiseKey {
-  uint64_t seed;
-  uint32_t step, stream;
-};
-
-inline NoiseKey make_key(int64_t seed, int64_t step, int64_t stream) {
-  DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
-  DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
-  // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
-  return {static_cast<uint64_t>(seed), static_cast<uint32_t>(step), static_cast<uint32_t>(stream)};
-}
 
 // Eight uint32 lanes for philox_round(): AVX2 registers when built for AVX2, plain arrays (which
 // the compiler may still vectorise) otherwise.

@@ -48,6 +48,7 @@
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
 
 namespace dpkernels {
@@ -908,14 +909,11 @@ std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<d
     }
     ep.mode = SumMode::kNoise;
   } else if (noise_std > 0) {
-    // Same checks as the CPU kernel's make_key (csrc/cpu/noise_cpu.h): only Philox mode uses them.
-    DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
-    DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
+    const NoiseKey key = make_key(seed, step, stream);
     ep.mode = SumMode::kPhilox;
-    // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
-    ep.seed = static_cast<uint64_t>(seed);
-    ep.step = static_cast<uint32_t>(step);
-    ep.stream = static_cast<uint32_t>(stream);
+    ep.seed = key.seed;
+    ep.step = key.step;
+    ep.stream = key.stream;
   }
   return weighted_sum_impl(grads, coeffs, weights, ep, noise);
 }

@@ -52,6 +52,7 @@
 
 #include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
+#include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
 
 namespace dpkernels {
@@ -77,19 +78,6 @@ constexpr int64_t kNoiseChunk = int64_t{kNoiseThreads} * kNoiseIters;
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum class NoiseOp { kWords, kFill, kAdd };
-
-struct NoiseKey {
-  uint64_t seed;
-  uint32_t step, stream;
-};
-
-// Same checks and messages as cpu::make_key (noise_cpu.h).
-NoiseKey make_key(int64_t seed, int64_t step, int64_t stream) {
-  DPK_CHECK(step >= 0 && step < (int64_t{1} << 32), "step must be in [0, 2^32), got ", step);
-  DPK_CHECK(stream >= 0 && stream < (int64_t{1} << 32), "stream must be in [0, 2^32), got ", stream);
-  // The schema carries the 64-bit seed as a signed int64; reinterpret its bits.
-  return {static_cast<uint64_t>(seed), static_cast<uint32_t>(step), static_cast<uint32_t>(stream)};
-}
 
 // Tensors of one launch (see [note: noise launches]). Slot s: ptr[s] holds numel[s] > 0 elements,
 // element i being global element elem0[s] + i; its chunks are first_chunk[s] .. first_chunk[s + 1] - 1
@@ -303,9 +291,12 @@ void launch_noise(const std::vector<NoiseItem>& items, const NoiseKey& key, floa
   if (items.empty()) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  // One wave of resident blocks (fewer if registers limit the occupancy: the rest wait their turn).
-  const int64_t max_grid =
-      int64_t{prop->multiProcessorCount} * std::max(1, prop->maxThreadsPerMultiProcessor / kNoiseThreads);
+  // Exactly one wave of resident blocks: every block strides over the same number of chunks (give
+  // or take one), so a partial second wave would double the time of the blocks in it.
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, noise_kernel<T, kOp, kSlots>,
+                                                               kNoiseThreads, /*dynamicSMemSize=*/0));
+  const int64_t max_grid = int64_t{prop->multiProcessorCount} * std::max(1, per_sm);
   NoiseTable<kSlots> tab{};
   int64_t chunks = 0;
   const auto flush = [&] {
@@ -366,8 +357,8 @@ bool any_overlap(at::TensorList tensors) {
 }
 
 // out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
-void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset,
-                   bool accumulate) {
+void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                   int64_t offset, bool accumulate) {
   const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   if (tensors.empty()) return;
@@ -375,7 +366,8 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
   int64_t total = 0;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const at::Tensor& x = tensors[t];
-    DPK_CHECK(x.is_cuda() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CUDA tensor");
+    DPK_CHECK(x.is_cuda() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CUDA tensor, got a ",
+              x.is_contiguous() ? "contiguous" : "non-contiguous", " tensor on ", x.device());
     DPK_CHECK(x.device() == dev, "tensors[", t, "] is on ", x.device(), " but tensors[0] is on ", dev);
     DPK_CHECK(std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) != kNoiseTypes.end(),
               "tensors[", t, "] has dtype ", x.scalar_type(), "; supported: float32, float16, bfloat16");
@@ -400,7 +392,8 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
       if (serial) {
         groups.emplace_back(x.scalar_type(), std::vector<NoiseItem>{it});
       } else {
-        const auto g = std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) - kNoiseTypes.begin();
+        const auto g =
+            std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) - kNoiseTypes.begin();
         groups[g].second.push_back(it);
       }
     }
@@ -418,7 +411,8 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
   }
 }
 
-void gaussian_fill_cuda(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+void gaussian_fill_cuda(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
+                        int64_t offset) {
   gaussian_cuda({out}, std, seed, step, stream, offset, /*accumulate=*/false);
 }
 
