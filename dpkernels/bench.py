@@ -7,14 +7,19 @@ gradients, built once with ``randn`` and shared by every provider):
   :func:`dpkernels.clip_and_accumulate` (``triton`` is listed but skipped: the interpreter's
   timing means nothing); the pure-PyTorch reference called directly, eager
   (``dpkernels.reference.clip.clip_and_accumulate``; the public ``reference`` backend runs the
-  same code, plus argument checks); ``torch.compile`` of that reference (compile time excluded,
-  reported separately); and Opacus's ``DPOptimizer.clip_and_accumulate`` on the same tensors.
+  same code, plus argument checks); ``torch.compile`` of that reference (default options, from
+  a reset Dynamo state per shape; the first call, which compiles, is excluded and reported; off
+  under ``--quick``, since cold compilation of a 150-tensor list takes minutes); and Opacus's
+  ``DPOptimizer.clip_and_accumulate`` on the same tensors.
   All use flat clipping, ``c_i = min(1, C / (n_i + 1e-6))``.
-- **Time.** ``time.perf_counter`` around one call. Warm-up calls first, then ``repeats`` rounds;
+- **Time.** ``time.perf_counter`` around one call. Warm-up calls first (one only for a call that
+  takes seconds, two for the compiled reference), then ``repeats`` rounds;
   each round runs every provider once, in an order rotated per round, so machine drift hits
   all providers alike. The Python garbage collector is off inside a timed call. A provider whose
   calls would take more than a per-shape budget gets fewer rounds (never fewer than 3), spread
-  evenly over the run. Reported: median, min, interquartile range.
+  evenly over the run. Reported: median, min, interquartile range, and how many cores other
+  processes kept busy meanwhile (from ``/proc/stat`` minus this process's own CPU time), since
+  on a shared machine that is what makes a run untrustworthy.
 - **Bandwidth.** Two same-run baselines on a fresh buffer of the same size as the per-sample
   gradients: *copy* (``dst.copy_(src)``, counting bytes read + written) and *read*
   (``torch.sum(src)``, counting bytes read). A provider's GB/s counts the minimum traffic of
@@ -28,7 +33,7 @@ gradients, built once with ``randn`` and shared by every provider):
   those made inside C++ ops, extensions and Inductor-generated code, so the running sum of
   those events gives the peak of memory allocated during the call on top of what existed
   before it (outputs included; ``malloc`` calls that bypass the allocator, e.g. small
-  ``std::vector`` scratch, are not seen). Shown in MB and relative to ``B·D·4`` and
+  ``std::vector`` scratch, are not seen). Shown in MiB and relative to ``B·D·4`` and
   ``(B+D)·4`` bytes: an O(B + D) op keeps the first ratio far below 1.
 """
 
@@ -126,9 +131,7 @@ def small_tensors_shape(batch_size: int) -> Shape:
             shapes += [(c, c_in, 3, 3), (c,), (c,), (c,)]  # conv weight, bias; GroupNorm w, b
             c_in = c
     shapes += _linear(96, 10)
-    return Shape(
-        f"small-b{batch_size}", "many small tensors, 37 convs + GroupNorm", batch_size, tuple(shapes)
-    )
+    return Shape(f"small-b{batch_size}", "many small tensors, 37 convs + GroupNorm", batch_size, tuple(shapes))
 
 
 # Quick variants shrink B for the two big shapes (the eager reference dominates the run time);
@@ -196,6 +199,7 @@ class Provider:
     bytes_moved: int = 0
     skip: str | None = None
     note: str = ""
+    min_warmup: int = 1  # warm-up calls made even when they are slow (compilation needs 2)
 
 
 def _reference_eager(grads: list[Tensor], max_grad_norm: float):
@@ -235,9 +239,12 @@ def _opacus_provider(shape: Shape, grads: list[Tensor], max_grad_norm: float, nb
 
 
 def clip_providers(
-    shape: Shape, grads: list[Tensor], max_grad_norm: float, *, compile_reference: bool = True
+    shape: Shape, grads: list[Tensor], max_grad_norm: float, *, compile_skip: str | None = None
 ) -> list[Provider]:
-    """The providers of the fused op, in table order: dpkernels backends, then baselines."""
+    """The providers of the fused op, in table order: dpkernels backends, then baselines.
+
+    ``compile_skip``: leave out ``torch.compile`` of the reference, with this reason.
+    """
     nbytes = 2 * shape.grad_bytes  # the fused op reads the per-sample gradients twice
     usable = _backend.available_backends("cpu")
     out = []
@@ -267,7 +274,9 @@ def clip_providers(
             note="eager PyTorch reference",
         )
     )
-    if compile_reference:
+    if compile_skip is not None:
+        out.append(Provider("reference+compile", "baseline", skip=compile_skip))
+    else:
         compiled = torch.compile(_reference_eager)
         out.append(
             Provider(
@@ -277,6 +286,7 @@ def clip_providers(
                 outputs=lambda r: r,
                 bytes_moved=nbytes,
                 note="torch.compile(reference), default options",
+                min_warmup=2,  # the first call compiles; the second shows whether it recompiles
             )
         )
     out.append(_opacus_provider(shape, grads, max_grad_norm, nbytes))
@@ -291,9 +301,7 @@ def bandwidth_providers(nbytes: int) -> list[Provider]:
     src = torch.ones(nbytes // 4)
     dst = torch.zeros_like(src)
     return [
-        Provider(
-            "copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=2 * nbytes, note="dst.copy_(src)"
-        ),
+        Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=2 * nbytes, note="dst.copy_(src)"),
         Provider("read", "bandwidth", call=lambda: torch.sum(src), bytes_moved=nbytes, note="torch.sum(src)"),
     ]
 
@@ -317,6 +325,33 @@ def timed_call(p: Provider) -> float:
             gc.enable()
 
 
+def cpu_snapshot() -> tuple[float, float, float]:
+    """``(wall, machine-wide busy CPU seconds, this process's CPU seconds incl. children)``."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    except (OSError, ValueError, IndexError):
+        busy = math.nan
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), busy, own
+
+
+def other_cpu_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Average number of cores other processes kept busy between two :func:`cpu_snapshot` calls.
+
+    On a shared machine this says whether the timed calls had the cores to themselves; well
+    above 0 means the times are inflated and the ratios less trustworthy.
+    """
+    wall = after[0] - before[0]
+    if wall <= 0:
+        return math.nan
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
+
+
 def round_schedule(repeats: int, n: int) -> set[int]:
     """``n`` of the ``repeats`` rounds, spread evenly (a slow provider runs in fewer rounds)."""
     return {(i * repeats) // n for i in range(n)}
@@ -333,15 +368,28 @@ def time_round_robin(
     """Warm up every provider, then run ``repeats`` rotated round-robin rounds.
 
     Returns, per provider name, ``times_s`` (the timed calls), ``warmup_s`` and the number of
-    rounds it ran. A provider whose steady call time × ``repeats`` exceeds ``budget_s`` runs in
-    ``max(min_repeats, budget_s / call time)`` rounds instead.
+    rounds it ran. Warm-up stops early (after ``p.min_warmup`` calls) once it took
+    ``budget_s / 4``. A provider whose steady call time × ``repeats`` exceeds ``budget_s`` runs
+    in ``max(min_repeats, budget_s / call time)`` rounds instead. Under the ``"_other_cpu_cores"``
+    key: the cores other processes kept busy during the rounds (:func:`other_cpu_cores`).
     """
+    res = {}
+    for p in providers:
+        if p.skip is not None:
+            continue
+        res[p.name] = {"times_s": [], "warmup_s": []}
+        try:
+            for i in range(max(warmup, p.min_warmup)):
+                # A call that takes seconds is warm after one run; more would only cost time.
+                if i >= p.min_warmup and sum(res[p.name]["warmup_s"]) > budget_s / 4:
+                    break
+                res[p.name]["warmup_s"].append(timed_call(p))
+                on_call(p, "warm-up")
+        except Exception as exc:  # e.g. no C++ compiler for torch.compile: report it, time the rest
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            p.skip = f"failed: {type(exc).__name__}: {first_line}"
+            del res[p.name]
     live = [p for p in providers if p.skip is None]
-    res = {p.name: {"times_s": [], "warmup_s": []} for p in live}
-    for p in live:
-        for _ in range(warmup):
-            res[p.name]["warmup_s"].append(timed_call(p))
-            on_call(p, "warm-up")
     plan = {}
     for p in live:
         w = res[p.name]["warmup_s"]
@@ -349,6 +397,7 @@ def time_round_robin(
         n = repeats if est * repeats <= budget_s else max(min_repeats, int(budget_s / max(est, 1e-9)))
         plan[p.name] = round_schedule(repeats, min(n, repeats))
         res[p.name]["rounds"] = len(plan[p.name])
+    before = cpu_snapshot()
     for r in range(repeats):
         gc.collect()
         k = r % len(live) if live else 0
@@ -356,6 +405,7 @@ def time_round_robin(
             if r in plan[p.name]:
                 res[p.name]["times_s"].append(timed_call(p))
                 on_call(p, f"round {r + 1}/{repeats}")
+    res["_other_cpu_cores"] = other_cpu_cores(before, cpu_snapshot())
     return res
 
 
@@ -400,9 +450,7 @@ def peak_extra_memory(fn: Callable[[], object]) -> tuple[int | None, int | None,
         result = fn()
     try:
         tree = prof.profiler.kineto_results.experimental_event_tree()
-        allocs = sorted(
-            (n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns
-        )
+        allocs = sorted((n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
     except Exception:  # a private API: degrade to "not measured" rather than fail the run
         return None, None, result
     cur = peak = 0
@@ -453,7 +501,7 @@ class BenchConfig:
     warmup: int = 2
     threads: int = 0  # 0: leave torch's setting alone
     budget_s: float = 20.0  # per provider and shape; slower providers get fewer rounds
-    compile_reference: bool = True
+    compile_skip: str | None = None  # a reason to leave out torch.compile of the reference
 
 
 def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dict:
@@ -463,15 +511,20 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         if progress is not None:
             progress.update(task, advance=n, description=f"[bold]{shape.name}[/] {desc}")
 
+    load_before = os.getloadavg()[0]
+    if cfg.compile_skip is None:
+        # Compile each shape from a clean Dynamo state: otherwise a shape that differs from the
+        # previous one only in B recompiles everything with a symbolic B, and its numbers would
+        # depend on which shapes ran before it. (Inductor's on-disk cache still applies.)
+        torch._dynamo.reset()
     grads, C = make_grad_samples(shape)
     advance("float64 reference")
     ref_sums, ref_norms = float64_reference(grads, C)
     gc.collect()
     advance("timing")
 
-    providers = clip_providers(shape, grads, C, compile_reference=cfg.compile_reference)
+    providers = clip_providers(shape, grads, C, compile_skip=cfg.compile_skip)
     bw = bandwidth_providers(shape.grad_bytes)
-    timed = [p for p in providers + bw if p.skip is None]
     res = time_round_robin(
         providers + bw,
         cfg.repeats,
@@ -479,11 +532,15 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         cfg.budget_s,
         on_call=lambda p, phase: advance(f"{p.name} {phase}"),
     )
+    other_cores = res.pop("_other_cpu_cores")
+    timed = [p for p in providers + bw if p.skip is None]
+    moved = {p.name: p.bytes_moved for p in timed}
     if progress is not None:
         # Correct the up-front estimate: rounds a slow provider skips will never be made.
-        steps = 2 + sum(cfg.warmup + res[p.name]["rounds"] for p in timed) + len(timed) - len(bw)
+        steps = 2 + sum(len(res[p.name]["warmup_s"]) + res[p.name]["rounds"] for p in timed)
+        steps += len(timed) - len(bw)
         progress.update(task, total=progress.tasks[task].total - expected_steps(cfg) + steps)
-    del bw
+    del bw, timed  # frees the bandwidth buffers
 
     bd4, bpd4 = shape.grad_bytes, (shape.batch_size + shape.n_params) * 4
     rows = {}
@@ -495,7 +552,7 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         r = res[p.name]
         st = _stats(r["times_s"])
         row.update(status="ok", **st, times_s=r["times_s"], warmup_s=r["warmup_s"], rounds=r["rounds"])
-        bytes_moved = next(q.bytes_moved for q in timed if q.name == p.name)
+        bytes_moved = moved[p.name]
         row.update(bytes_moved=bytes_moved, gbps=bytes_moved / st["median_s"] / 1e9)
         if p.name == "reference+compile" and r["warmup_s"]:
             row["first_call_s"] = r["warmup_s"][0]  # includes Dynamo/Inductor compilation
@@ -506,10 +563,14 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         if p.skip is not None:
             continue
         advance(f"{p.name} memory + error")
-        p.prepare()
-        peak, retained, result = peak_extra_memory(p.call)
-        sums, norms = p.outputs(result)
         row = rows[p.name]
+        p.prepare()
+        try:
+            peak, retained, result = peak_extra_memory(p.call)
+            sums, norms = p.outputs(result)
+        except Exception as exc:  # keep its timing; say why memory and error are missing
+            row["memory_error_failed"] = f"{type(exc).__name__}: {exc}"
+            continue
         row.update(max_errors(sums, norms, ref_sums, ref_norms))
         row.update(peak_extra_bytes=peak, retained_bytes=retained)
         if peak is not None:
@@ -544,6 +605,8 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         "copy_gbps": copy_bw,
         "read_gbps": read_bw,
         "providers": list(rows.values()),
+        "other_cpu_cores_during_timing": other_cores,
+        "loadavg_1min": [load_before, os.getloadavg()[0]],
     }
 
 
@@ -569,7 +632,8 @@ def shape_table(rec: dict):
         f"GB/s counts 2 reads of the per-sample gradients (copy/read rows: their own bytes). "
         f"Errors: max abs vs the {ERROR_REFERENCE}. Peak extra: allocator peak during one call."
     )
-    t = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    t = Table(title=title, title_justify="left", caption_justify="left")
+    notes: list[str] = []
     t.add_column("provider")
     for col in ("median ms", "IQR ms", "GB/s", "% copy BW", "% read BW", "× Opacus"):
         t.add_column(col, justify="right")
@@ -577,12 +641,13 @@ def shape_table(rec: dict):
         t.add_column(col, justify="right")
     for row in rec["providers"]:
         if row["status"] != "ok":
-            t.add_row(row["name"], f"[dim]skipped: {row['reason']}[/]")
+            notes.append(f"{row['name']}: skipped, {row['reason']}")
+            t.add_row(row["name"], "[dim]skipped[/]", style="dim")
             continue
+        if row.get("first_call_s") is not None:
+            notes.append(f"{row['name']}: first call (compilation) took {row['first_call_s']:.1f} s, not counted")
         peak = row.get("peak_extra_bytes")
-        style = (
-            "bold green" if row["kind"] == "dpkernels" else ("dim" if row["kind"] == "bandwidth" else None)
-        )
+        style = "bold green" if row["kind"] == "dpkernels" else ("dim" if row["kind"] == "bandwidth" else None)
         t.add_row(
             row["name"],
             f"{1e3 * row['median_s']:.2f}",
@@ -598,6 +663,13 @@ def shape_table(rec: dict):
             _fmt(row.get("peak_over_BplusD4"), ".2f"),
             style=style,
         )
+    other = rec.get("other_cpu_cores_during_timing")
+    if other is not None and other > 0.1:  # the timed calls shared the cores: times are inflated
+        notes.append(
+            f"[yellow]other processes kept {other:.2f} cores busy on average during the timed rounds; "
+            "times are inflated and noisier[/]"
+        )
+    t.caption = "\n".join([caption, *notes])
     return t
 
 
@@ -694,7 +766,7 @@ def expected_steps(cfg: BenchConfig) -> int:
     """Progress steps of one shape: 2 set-up steps, every timed call, one memory call each."""
     import importlib.util
 
-    n_clip = 1 + int(cfg.compile_reference)  # the eager and the compiled reference
+    n_clip = 1 + int(cfg.compile_skip is None)  # the eager and the compiled reference
     n_clip += int("cpu" in _backend.available_backends("cpu"))
     n_clip += int(importlib.util.find_spec("opacus") is not None)
     return 2 + (n_clip + 2) * (cfg.warmup + cfg.repeats) + n_clip
@@ -710,6 +782,14 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         console = Console() if sys.stdout.isatty() else Console(width=200)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if "TORCH_LOGS" not in os.environ:
+        # Dynamo warns about every graph break of the reference (by design: it syncs and uses
+        # boolean masks) and Inductor's C++ builder notes the missing CUDA runtime; neither is
+        # news here, and both would scroll the tables away.
+        import logging
+
+        torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if os.environ.get("DPKERNELS_POISON_OUTPUTS") == "1":
         console.print("[yellow]DPKERNELS_POISON_OUTPUTS=1 adds an output write to every native call[/]")
     t_start = time.perf_counter()
@@ -746,7 +826,5 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
-        console.print(
-            f"wrote {path} (wall {record['wall_s']:.0f} s, peak RSS {record['max_rss_gib']:.1f} GiB)"
-        )
+        console.print(f"wrote {path} (wall {record['wall_s']:.0f} s, peak RSS {record['max_rss_gib']:.1f} GiB)")
     return record

@@ -53,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             "one table per shape and writes every raw number to a JSON file."
         ),
     )
-    bench.add_argument(
-        "--quick", action="store_true", help="smaller B for the big shapes, fewer repeats (< 2 min)"
-    )
+    bench.add_argument("--quick", action="store_true", help="smaller B for the big shapes, fewer repeats (< 2 min)")
     bench.add_argument(
         "--json",
         default="bench-results/bench.json",
@@ -76,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
     )
-    bench.add_argument(
-        "--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)"
-    )
+    bench.add_argument("--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)")
     bench.add_argument(
         "--threads",
         type=_positive_int,
@@ -86,9 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="torch intra-op threads (default: torch.get_num_threads() = %(default)s)",
     )
-    bench.add_argument("--no-compile", action="store_true", help="leave out torch.compile of the reference")
+    bench.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time torch.compile of the reference (default: on, off with --quick: compiling it cold "
+        "takes 1-3 min per shape on 2 cores)",
+    )
     bench.set_defaults(func=_bench)
     return parser
+
+
+def _compile_skip(args: argparse.Namespace) -> str | None:
+    if args.compile is None and args.quick:
+        return "--quick leaves it out (cold compilation takes minutes); add --compile"
+    return None if args.compile in (None, True) else "--no-compile"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -102,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         threads=args.threads,
         budget_s=preset["budget_s"],
-        compile_reference=not args.no_compile,
+        compile_skip=_compile_skip(args),
     )
     run(cfg, json_path=args.json)
     return 0
