@@ -88,11 +88,11 @@ inline void widen_add(const fVec& v, dVec* d) {
 }
 
 // Loads kStep elements of Σ_j α_j g_j at offset e and applies shift/scale, as two fp32 vectors.
-template <typename scalar_t, bool kShift, bool kScale>
+template <typename scalar_t, bool kPlain, bool kShift, bool kScale>
 inline std::pair<fVec, fVec> combined_step(const scalar_t* const* rows, const double* alpha, int64_t k,
                                            const float* shift, const float* scale, int64_t e) {
   auto [v0, v1] = load_step(rows[0] + e);
-  if (k > 1 || alpha[0] != 1.0) {
+  if constexpr (!kPlain) {
     const fVec a0(static_cast<float>(alpha[0]));
     v0 = v0 * a0;
     v1 = v1 * a0;
@@ -134,7 +134,7 @@ double sumsq_exact(const scalar_t* const* rows, const double* alpha, int64_t k, 
 // stays below 8 * 2^-24 (< 5e-7 on the squared norm, < 2.5e-7 on the norm). fp32 squares overflow
 // above ~1.8e19 and underflow below ~1e-19, so a result that is non-finite, or small enough for
 // underflow to matter (< 1e-30 per element), is recomputed on the exact path.
-template <typename scalar_t, bool kShift, bool kScale>
+template <typename scalar_t, bool kPlain, bool kShift, bool kScale>
 double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, const float* shift,
                    const float* scale, int64_t begin, int64_t end) {
   constexpr int kFlush = 16;
@@ -146,8 +146,8 @@ double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, 
     // Four independent chains hide the FMA latency.
     fVec acc[4] = {fVec(0.f), fVec(0.f), fVec(0.f), fVec(0.f)};
     for (int it = 0; it < kFlush && e + 2 * kStep <= end; it += 2, e += 2 * kStep) {
-      const auto [v0, v1] = combined_step<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, e);
-      const auto [v2, v3] = combined_step<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, e + kStep);
+      const auto [v0, v1] = combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e);
+      const auto [v2, v3] = combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e + kStep);
       acc[0] = at::vec::fmadd(v0, v0, acc[0]);
       acc[1] = at::vec::fmadd(v1, v1, acc[1]);
       acc[2] = at::vec::fmadd(v2, v2, acc[2]);
@@ -179,6 +179,8 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
   }
   std::vector<double> partial(tasks.size());
   const bool has_shift = !shift.empty(), has_scale = !scale.empty();
+  // One set with coefficient 1 and no shift/scale (plain DP-SGD): the norm of the raw rows.
+  const bool plain = lay.k == 1 && coeffs[0] == 1.0 && !has_shift && !has_scale;
   parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
     std::vector<const void*> rows(lay.k);
     for (int64_t t = t0; t < t1; ++t) {
@@ -190,14 +192,19 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
           rows[j] = grads[j * lay.L + task.l].const_data_ptr<scalar_t>() + task.i * lay.numel[task.l];
         }
         const auto* r = reinterpret_cast<const scalar_t* const*>(rows.data());
-        const auto run = [&](auto shift_tag, auto scale_tag) {
-          return sumsq_range<scalar_t, decltype(shift_tag)::value, decltype(scale_tag)::value>(
-              r, coeffs.data(), lay.k, sh, sc, task.begin, task.end);
+        // Compile-time variants keep the hot loop free of per-step branches.
+        const auto run = [&](auto plain, auto shift_tag, auto scale_tag) {
+          return sumsq_range<scalar_t, decltype(plain)::value, decltype(shift_tag)::value,
+                             decltype(scale_tag)::value>(r, coeffs.data(), lay.k, sh, sc, task.begin, task.end);
         };
         using T = std::true_type;
         using F = std::false_type;
-        partial[t] = has_shift ? (has_scale ? run(T{}, T{}) : run(T{}, F{}))
-                               : (has_scale ? run(F{}, T{}) : run(F{}, F{}));
+        if (plain) {
+          partial[t] = run(T{}, F{}, F{});
+        } else {
+          partial[t] = has_shift ? (has_scale ? run(F{}, T{}, T{}) : run(F{}, T{}, F{}))
+                                 : (has_scale ? run(F{}, F{}, T{}) : run(F{}, F{}, F{}));
+        }
       });
     }
   });
