@@ -233,7 +233,10 @@ class _Batch(NamedTuple):
     B: int
     device: torch.device
     coeffs: list[float]
-    param_shapes: list[torch.Size]
+
+    @property
+    def param_shapes(self) -> list[torch.Size]:
+        return [g.shape[1:] for g in self.grads[: self.L]]
 
 
 def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> _Batch:
@@ -267,27 +270,38 @@ def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> 
         if len(gs) != L:
             raise ValueError(f"gradient set {j} has {len(gs)} tensors but set 0 has {L}")
         for idx, g in enumerate(gs):
-            name = f"{what}[{j}][{idx}]" if nested else f"{what}[{idx}]"
-            if not isinstance(g, Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(g).__name__}")
-            if g.dtype not in allowed:
-                hint = " (float64 runs on backend='reference' only)" if g.dtype == torch.float64 else ""
-                raise TypeError(f"{name} has dtype {g.dtype}; supported: {', '.join(map(str, allowed))}{hint}")
-            if g.dim() == 0:
-                raise ValueError(f"{name} is a scalar; per-sample gradients are [B, *param_shape]")
-            if g.device != device:
-                raise ValueError(
-                    f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device"
-                )
-            if g.shape[0] != B:
-                raise ValueError(f"{name} has batch size {g.shape[0]} but {what}[0] has {B}; all tensors must share B")
-            if j and (g.shape != sets[0][idx].shape or g.dtype != sets[0][idx].dtype):
-                raise ValueError(
-                    f"{name} is {tuple(g.shape)} {g.dtype} but set 0 has {tuple(sets[0][idx].shape)} "
-                    f"{sets[0][idx].dtype}; every set must match set 0 tensor by tensor"
-                )
+            # One cheap combined test per tensor (lists hold hundreds); the message is built only
+            # when it fails.
+            if (
+                not isinstance(g, Tensor)
+                or g.dtype not in allowed
+                or g.dim() == 0
+                or g.shape[0] != B
+                or g.device != device
+                or (j and (g.shape != sets[0][idx].shape or g.dtype != sets[0][idx].dtype))
+            ):
+                name = f"{what}[{j}][{idx}]" if nested else f"{what}[{idx}]"
+                _raise_bad_tensor(name, g, sets[0][idx], j, B, device, allowed, what)
             flat.append(g if g.is_contiguous() else g.contiguous())
-    return _Batch(grads=flat, k=k, L=L, B=B, device=device, coeffs=coeffs, param_shapes=[g.shape[1:] for g in flat[:L]])
+    return _Batch(grads=flat, k=k, L=L, B=B, device=device, coeffs=coeffs)
+
+
+def _raise_bad_tensor(name, g, g0, j, B, device, allowed, what):
+    if not isinstance(g, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(g).__name__}")
+    if g.dtype not in allowed:
+        hint = " (float64 runs on backend='reference' only)" if g.dtype == torch.float64 else ""
+        raise TypeError(f"{name} has dtype {g.dtype}; supported: {', '.join(map(str, allowed))}{hint}")
+    if g.dim() == 0:
+        raise ValueError(f"{name} is a scalar; per-sample gradients are [B, *param_shape]")
+    if g.device != device:
+        raise ValueError(f"{name} is on {g.device} but {what}[0] is on {device}; all tensors must share one device")
+    if g.shape[0] != B:
+        raise ValueError(f"{name} has batch size {g.shape[0]} but {what}[0] has {B}; all tensors must share B")
+    raise ValueError(
+        f"{name} is {tuple(g.shape)} {g.dtype} but set 0 has {tuple(g0.shape)} {g0.dtype}; "
+        "every set must match set 0 tensor by tensor"
+    )
 
 
 def _prepare_vectors(vecs, batch: _Batch, name: str) -> list[Tensor]:
