@@ -354,6 +354,20 @@ def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
     return values
 
 
+def _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend):
+    """Validated ``(batch, backend, r, C)`` shared by the clipping pipelines; ``C`` has one bound
+    per tensor with ``per_layer=True``."""
+    if nonfinite not in ("raise", "drop"):
+        raise ValueError(f"nonfinite must be 'raise' or 'drop', got {nonfinite!r}")
+    batch = _prepare(grad_samples, coeffs, backend)
+    backend = _backend.resolve(backend, batch.device)
+    r = _check_mode(mode, r)
+    C = _check_max_grad_norm(max_grad_norm, per_layer, batch.L)
+    if per_layer and len(C) == 1:
+        C = C * batch.L
+    return batch, backend, r, C
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -467,14 +481,7 @@ def privatize(
 
     Returns: one fp32 tensor per parameter, shaped like it.
     """
-    if nonfinite not in ("raise", "drop"):
-        raise ValueError(f"nonfinite must be 'raise' or 'drop', got {nonfinite!r}")
-    batch = _prepare(grad_samples, coeffs, backend)
-    backend = _backend.resolve(backend, batch.device)
-    r = _check_mode(mode, r)
-    C = _check_max_grad_norm(max_grad_norm, per_layer, batch.L)
-    if per_layer and len(C) == 1:
-        C = C * batch.L
+    batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
     if not isinstance(noise_multiplier, (int, float)) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
     B = batch.B if expected_batch_size is None else expected_batch_size
@@ -522,14 +529,7 @@ def clip_and_accumulate(
     Returns: ``sums``, one fp32 tensor per parameter shaped like it; ``norms``, fp32 ``[B]`` or
     ``[B, L]``. ``B = 0`` is valid and gives zero sums.
     """
-    if nonfinite not in ("raise", "drop"):
-        raise ValueError(f"nonfinite must be 'raise' or 'drop', got {nonfinite!r}")
-    batch = _prepare(grad_samples, coeffs, backend)
-    backend = _backend.resolve(backend, batch.device)
-    r = _check_mode(mode, r)
-    C = _check_max_grad_norm(max_grad_norm, per_layer, batch.L)
-    if per_layer and len(C) == 1:
-        C = C * batch.L
+    batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
     shift_v = _prepare_vectors(shift, batch, "shift")
     scale_v = _prepare_vectors(scale, batch, "scale")
     return _clip_and_accumulate_op(
