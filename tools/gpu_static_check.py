@@ -139,22 +139,22 @@ def _triton_specs():
     wsum_sig = {n: "*i64" for n in ("grad_ptrs", "out_ptrs", "coeff_bits", "numels", "layer_ids")}
     wsum_sig.update(chunk_slot="*i64", chunk_start="*i64", weights_ptr="*fp32")
     wsum_sig.update(w_stride_b="i32", w_stride_l="i32", B="i32", T="i32")
-    seg_sig = dict(
-        partial_ptr="*fp64", n_cols="i32", seg_first="*i64", seg_count="*i64", out_ptr="*fp64", L="i32"
-    )
+    wsum_sig.update(bases="*i64", noise_ptrs="*i64", key="*i64", std="fp32", scale="fp32")
+    seg_sig = dict(partial_ptr="*fp64", n_cols="i32", seg_first="*i64", seg_count="*i64", out_ptr="*fp64", L="i32")
 
     specs = []
     for name, elem in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
         vec = 4 if name == "fp32" else 8
         for K, shift in ((1, False), (2, True)):
             variant = f"{name} k={K}" + (" shift+scale" if shift else "")
-            consts = dict(
-                K=K, HAS_SHIFT=shift, HAS_SCALE=shift, ELEM=elem, BLOCK=tk.SUMSQ_BLOCK, ALIGNED=True, VEC=vec
-            )
+            consts = dict(K=K, HAS_SHIFT=shift, HAS_SCALE=shift, ELEM=elem, BLOCK=tk.SUMSQ_BLOCK, ALIGNED=True, VEC=vec)
             specs.append((tk._per_sample_sumsq_kernel, variant, sumsq_sig, consts, tk.SUMSQ_NUM_WARPS))
-        for K in (1, 2):
-            consts = dict(K=K, ELEM=elem, BLOCK=tk.WSUM_BLOCK, ROWS=tk.WSUM_ROWS, ALIGNED=True, VEC=vec)
-            specs.append((tk._weighted_sum_kernel, f"{name} k={K}", wsum_sig, consts, tk.WSUM_NUM_WARPS))
+        for K, epi in ((1, tk.EPI_NONE), (2, tk.EPI_NONE), (1, tk.EPI_PHILOX)):
+            consts = dict(
+                K=K, ELEM=elem, BLOCK=tk.WSUM_BLOCK, ROWS=tk.WSUM_ROWS, ALIGNED=True, VEC=vec, EPILOGUE=epi.value
+            )
+            variant = f"{name} k={K}" + (" private(philox)" if epi.value == tk.EPI_PHILOX.value else "")
+            specs.append((tk._weighted_sum_kernel, variant, wsum_sig, consts, tk.WSUM_NUM_WARPS))
     specs.append((tk._segment_sum_kernel, "fp64", seg_sig, dict(BLOCK=tk.SEGMENT_BLOCK), 4))
     for name in ("fp32", "fp64"):
         sig = dict(norms_ptr=f"*{name}", params_ptr=f"*{name}", out_ptr=f"*{name}", N="i32", L_C="i32")
@@ -224,9 +224,7 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 t0 = time.perf_counter()
                 try:
                     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-                    compiled = triton.compile(
-                        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
-                    )
+                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
                 except Exception as exc:  # a kernel that does not compile is a failed check
                     rec.update(ok=False, problems=[f"compile error: {type(exc).__name__}: {str(exc)[:1500]}"])
                     results.append(rec)
@@ -376,9 +374,7 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
         k = {"kernel": _short_name(names[fn]), "demangled": names[fn], "mangled": fn, "arch": arch, **r}
         k["entry"] = "registers" in r
         if r.get("spill_stores", 0) or r.get("spill_loads", 0):
-            problems.append(
-                f"{names[fn]} ({arch}) spills {r['spill_stores']} B stores / {r['spill_loads']} B loads"
-            )
+            problems.append(f"{names[fn]} ({arch}) spills {r['spill_stores']} B stores / {r['spill_loads']} B loads")
         kernels.append(k)
     rec.update(ok=not problems, kernels=kernels, problems=problems)
     return rec
@@ -474,14 +470,10 @@ def format_report(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument(
-        "--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (default 80 90)"
-    )
+    ap.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (default 80 90)")
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--skip-cuda", action="store_true")
-    ap.add_argument(
-        "--host", action="store_true", help="nvcc -c (host code too) instead of device-only -fatbin"
-    )
+    ap.add_argument("--host", action="store_true", help="nvcc -c (host code too) instead of device-only -fatbin")
     ap.add_argument("--triton-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.triton_worker:

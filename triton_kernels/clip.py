@@ -33,6 +33,7 @@ Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -41,6 +42,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .philox import MASK32, box_muller, philox4x32_10
+
+#: Epilogues of the weighted-sum kernel: S, S·scale, (S + pre-drawn ν)·scale, (S + std·z)·scale.
+EPI_NONE, EPI_SCALE, EPI_NOISE, EPI_PHILOX = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 # ---------------------------------------------------------------------------------------------
 # Launch constants. Element counts are multiples of 8, so a block splits into whole 128-bit
@@ -245,8 +251,20 @@ def _weighted_sum_kernel(
     ROWS: tl.constexpr,
     ALIGNED: tl.constexpr,
     VEC: tl.constexpr,
+    bases,
+    noise_ptrs,
+    key,
+    std,
+    scale,
+    EPILOGUE: tl.constexpr,
 ):
     """``S^(t)[e] = Σ_{i : w_il ≠ 0} w_il · Σ_j α_j g_i^(j,t)[e]`` over one chunk of columns.
+
+    ``EPILOGUE`` (privatized_sum, DESIGN.md §3: the noise is made in the pass that writes the
+    result): ``EPI_NONE`` stores ``S``; ``EPI_SCALE`` stores ``S·scale``; ``EPI_NOISE`` stores
+    ``(S + ν)·scale`` with ``ν`` read from ``noise_ptrs[t]`` (fp32, pre-drawn); ``EPI_PHILOX``
+    stores ``(S + std·z(g))·scale`` with ``g = bases[t] + e`` the global element index and ``key``
+    = int64 (seed low, seed high, step, stream).
 
     Grid ``(num_chunks,)``; each program walks all ``B`` rows of its chunk, accumulates in fp32
     and stores once (no atomics, deterministic). ``grad_ptrs``: int64 ``[K·T]`` as in
@@ -288,6 +306,26 @@ def _weighted_sum_kernel(
                 v += alphas[j] * g
             acc += w * tl.where(w != 0, v, 0.0)
 
+    if EPILOGUE == EPI_NOISE:
+        nu = tl.load(_typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=col_mask, other=0.0)
+        acc = (acc + nu) * scale
+    elif EPILOGUE == EPI_PHILOX:
+        # One Philox call per element (its block g // 4, word g % 4): simple and correct for any
+        # parameter offset; the redundant words are cheap next to the B row reads.
+        g = tl.load(bases + t) + idx
+        blk = g >> 2
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        w0, w1, w2, w3 = philox4x32_10(
+            (blk & MASK32).to(tl.uint32), (blk >> 32).to(tl.uint32),
+            zero + tl.load(key + 2).to(tl.uint32), zero + tl.load(key + 3).to(tl.uint32),
+            tl.load(key), tl.load(key + 1),
+        )  # fmt: skip
+        word = g & 3
+        z_first, z_second = box_muller(tl.where(word < 2, w0, w2), tl.where(word < 2, w1, w3))
+        z = tl.where((word & 1) == 1, z_second, z_first)
+        acc = (acc + std * z) * scale
+    elif EPILOGUE == EPI_SCALE:
+        acc = acc * scale
     tl.store(_typed_ptr(out_ptrs, t, tl.float32, ALIGNED) + idx, acc, mask=col_mask)
 
 
@@ -362,9 +400,7 @@ def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, 
         for idx, g in enumerate(gs):
             ref = sets[0][idx]
             if g.dtype not in _TL_DTYPES:
-                raise TypeError(
-                    f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16"
-                )
+                raise TypeError(f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16")
             if g.dim() == 0 or g.shape[0] != B or g.device != device:
                 raise ValueError(f"grad_sets[{j}][{idx}] must be [B={B}, ...] on {device}")
             if g.shape != ref.shape or g.dtype != ref.dtype:
@@ -556,23 +592,59 @@ def weighted_sum(
     the sum. Accumulation is fp32, in sample order, with no atomics (deterministic). One launch
     per (dtype, alignment) group.
     """
+    return _weighted_sum(grad_sets, weights, coeffs, EPI_NONE)
+
+
+def privatized_sum(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    weights: torch.Tensor,
+    coeffs: Sequence[float],
+    noise_std: float,
+    seed: int,
+    step: int,
+    stream: int,
+    out_scale: float,
+    noise: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``(S^(l) + ν^(l))·out_scale``: :func:`weighted_sum` with the private epilogue.
+
+    ``ν = noise_std·z`` (Philox, docs/RNG.md; element index global over the parameter list),
+    generated in the kernel that writes the result, or the pre-drawn fp32 ``noise`` list.
+    """
+    if noise is not None:
+        return _weighted_sum(grad_sets, weights, coeffs, EPI_NOISE, noise=noise, scale=out_scale)
+    if noise_std > 0:
+        key = [seed & 0xFFFFFFFF, seed >> 32, step, stream]
+        return _weighted_sum(grad_sets, weights, coeffs, EPI_PHILOX, key=key, std=noise_std, scale=out_scale)
+    return _weighted_sum(grad_sets, weights, coeffs, EPI_SCALE, scale=out_scale)
+
+
+def _weighted_sum(grad_sets, weights, coeffs, epilogue, noise=None, key=None, std=0.0, scale=1.0):
     sets, B, L, device = _check_sets(grad_sets, coeffs)
     if weights.dim() not in (1, 2) or weights.shape[0] != B or (weights.dim() == 2 and weights.shape[1] != L):
         raise ValueError(f"weights must be [B]={B} or [B, L]=[{B}, {L}], got {tuple(weights.shape)}")
     if weights.device != device:
         raise ValueError(f"weights are on {weights.device} but the gradients are on {device}")
     shapes = [g.shape[1:] for g in sets[0]]
-    if B == 0:
+    if noise is not None:
+        noise = [v.to(device=device, dtype=torch.float32).contiguous() for v in noise]
+        if len(noise) != L or any(v.shape != s for v, s in zip(noise, shapes, strict=True)):
+            raise ValueError("noise must hold one tensor per parameter, shaped like it")
+    if B == 0 and epilogue == EPI_NONE:
         return [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes]
     outs = [torch.empty(s, dtype=torch.float32, device=device) for s in shapes]
     w_stride_b = weights.stride(0)
     w_stride_l = weights.stride(1) if weights.dim() == 2 else 0
     K = len(sets)
+    bases = [0]
+    for s in shapes[:-1]:
+        bases.append(bases[-1] + math.prod(s))
 
     meta = _Meta()
     coeff_h = meta.add(_coeff_bits(coeffs))
+    key_h = meta.add(key or [0, 0, 0, 0])
     launches = []
-    for grp in _groups(sets, (outs,)):
+    for grp in _groups(sets, (outs,) if noise is None else (outs, noise)):
         numels = [_row_numel(sets[0][s]) for s in grp.slots]
         slots, starts = _chunks(numels, WSUM_BLOCK)
         if slots.numel() == 0:
@@ -584,6 +656,8 @@ def weighted_sum(
             layer_ids=meta.add(grp.slots),
             chunk_slot=meta.add(slots),
             chunk_start=meta.add(starts),
+            bases=meta.add([bases[s] for s in grp.slots]),
+            noise_ptrs=meta.add([noise[s].data_ptr() if noise is not None else 0 for s in grp.slots]),
         )
         launches.append((grp, handles, slots.numel()))
     meta.finish(device)
@@ -595,6 +669,8 @@ def weighted_sum(
                 meta[h["layer_ids"]], meta[h["chunk_slot"]], meta[h["chunk_start"]],
                 weights, w_stride_b, w_stride_l, B, len(grp.slots),
                 K=K, ELEM=_TL_DTYPES[grp.dtype], BLOCK=WSUM_BLOCK, ROWS=WSUM_ROWS,
-                ALIGNED=grp.aligned, VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=WSUM_NUM_WARPS,
+                ALIGNED=grp.aligned, VEC=_VEC_BYTES // grp.dtype.itemsize,
+                bases=meta[h["bases"]], noise_ptrs=meta[h["noise_ptrs"]], key=meta[key_h],
+                std=float(std), scale=float(scale), EPILOGUE=epilogue.value, num_warps=WSUM_NUM_WARPS,
             )  # fmt: skip
     return outs
