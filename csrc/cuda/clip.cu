@@ -50,29 +50,18 @@
 #include "dpkernels/dispatch.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
+#include "launch_args.cuh"
 
 namespace dpkernels {
 namespace {
 
-// Kernel argument space. Drivers of CUDA 12.1+ accept 32 KiB of arguments on Volta and newer; like
-// ATen (MultiTensorApply.cuh) we rely on it only in CUDA 13 builds and stay under 4 KiB otherwise.
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
-constexpr size_t kArgBytes = 32764;
-constexpr int kMaxSlots = 320;    // parameter slices per launch
-constexpr int kMaxPtrs = 640;     // gradient pointers per launch (k per slot)
-constexpr int kMaxBlocks = 4096;  // chunks per launch
-constexpr int kMaxRanges = 3072;  // parameters per reduction launch; also clip bounds per launch
-#else
-constexpr size_t kArgBytes = 4096;
-constexpr int kMaxSlots = 40;
-constexpr int kMaxPtrs = 80;
-constexpr int kMaxBlocks = 512;
-constexpr int kMaxRanges = 448;
-#endif
+constexpr int kMaxSlots = kLargeKernelArgs ? 320 : 40;     // parameter slices per launch
+constexpr int kMaxPtrs = kLargeKernelArgs ? 640 : 80;      // gradient pointers per launch (k per slot)
+constexpr int kMaxBlocks = kLargeKernelArgs ? 4096 : 512;  // chunks per launch
+constexpr int kMaxRanges =
+    kLargeKernelArgs ? 3072 : 448;  // parameters per reduction launch; also clip bounds
 // Gradient sets (DP-PMLF's k) per call; their coefficients ride in every launch's arguments.
 constexpr int kMaxSets = 64;
-// Room left for the scalar arguments that follow the table in each kernel's parameter list.
-constexpr size_t kScalarArgBytes = 64;
 
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;

@@ -54,20 +54,12 @@
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
+#include "launch_args.cuh"
 
 namespace dpkernels {
 namespace {
 
-// Kernel argument space, as in clip.cu: 32 KiB in CUDA 13 builds, 4 KiB otherwise.
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
-constexpr size_t kArgBytes = 32764;
-constexpr int kMaxNoiseSlots = 960;  // tensors per add_gaussian_noise_ launch
-#else
-constexpr size_t kArgBytes = 4096;
-constexpr int kMaxNoiseSlots = 120;
-#endif
-// Room left for the scalar arguments that follow the table in the kernel's parameter list.
-constexpr size_t kScalarArgBytes = 64;
+constexpr int kMaxNoiseSlots = kLargeKernelArgs ? 960 : 120;  // tensors per add_gaussian_noise_ launch
 
 constexpr int kNoiseThreads = 256;
 // Philox blocks per thread and chunk: a chunk is kNoiseChunk Philox blocks, 4 * kNoiseChunk
