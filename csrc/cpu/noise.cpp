@@ -1,9 +1,8 @@
 // CPU kernels of dpkernels' counter-based noise (spec: docs/RNG.md; math: philox.h).
 //
-// Work is cut into runs of kBatch Philox blocks. Each run computes its blocks' words with the
-// scalar Philox from philox.h (the compiler vectorises the kBatch-wide loops: 32x32->64-bit
-// multiplies become vpmuludq) and the Box-Muller transform with at::vec (Sleef log/sin/cos), then
-// writes or adds the 4 * kBatch values in element order.
+// Work is cut into runs of kBatch Philox blocks (noise_cpu.h): each run computes its blocks' words
+// lane-parallel (one SIMD lane per block) and, for Gaussians, the Box-Muller transform in SIMD,
+// then writes or adds the 4 * kBatch values in element order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,10 +1,13 @@
 // CPU building blocks of dpkernels' noise, shared by the noise ops (noise.cpp) and the fused
-// private sum (clip.cpp): runs of kNoiseBatch Philox blocks from philox.h, with the Box-Muller
-// transform in at::vec (Sleef log/sin/cos, <= 1 ulp).
+// private sum (clip.cpp): runs of kBatch Philox blocks from philox.h, computed lane-parallel, with
+// the Box-Muller transform in SIMD (Sleef log u10, sin/cos u35).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
+#if defined(__AVX512F__)
+#include <sleef.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -16,15 +19,75 @@
 namespace dpkernels {
 namespace cpu {
 
-constexpr int kBatch = at::vec::Vectorized<float>::size();  // Philox blocks per run
-constexpr int64_t kRun = 4 * kBatch;                        // elements per run
+// One U32Vec holds one Philox word of kBatch consecutive blocks (lane-major), so counters are
+// built, rounds run and words converted to uniforms without transposes; only the final values
+// are put in element order. Three builds of the same operations:
+//   AVX-512  16 lanes, Box-Muller with Sleef's 16-lane functions;
+//   AVX2      8 lanes, Box-Muller with at::vec (the same Sleef functions, 8 lanes);
+//   portable  8 lanes in plain arrays (the compiler may still vectorise), at::vec Box-Muller.
+// All three give the same words; Box-Muller uses log u10 and sin/cos u35 (<= 3.5 ulp) in each.
+#if defined(__AVX512F__)
+constexpr int kBatch = 16;
 
-// Eight uint32 lanes for philox_round(): AVX2 registers when built for AVX2, plain arrays (which
-// the compiler may still vectorise) otherwise.
+struct U32Vec {
+  __m512i v;
+  static U32Vec broadcast(uint32_t x) { return {_mm512_set1_epi32(static_cast<int>(x))}; }
+  // (x, x + 1, ..., x + 15); the caller guarantees no lane wraps.
+  static U32Vec iota(uint32_t x) {
+    return {_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(x)),
+                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))};
+  }
+  void store(uint32_t* p) const { _mm512_storeu_si512(p, v); }
+  friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm512_xor_si512(a.v, b.v)}; }
+  friend U32Vec operator^(U32Vec a, uint32_t k) {
+    return {_mm512_xor_si512(a.v, _mm512_set1_epi32(static_cast<int>(k)))};
+  }
+};
+
+// 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
+inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+  const __m512i mv = _mm512_set1_epi32(static_cast<int>(m));
+  const __m512i even = _mm512_mul_epu32(a.v, mv);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a.v, 32), mv);
+  lo = {_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32))};
+  hi = {_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd)};
+}
+
+// uniform_open0() of every lane (vcvtudq2ps rounds to nearest-even, as the scalar cast).
+inline __m512 uniform_lanes(const U32Vec& x) {
+  return _mm512_fmadd_ps(_mm512_cvtepu32_ps(x.v), _mm512_set1_ps(2.3283064365386963e-10f),
+                         _mm512_set1_ps(1.1641532182693481e-10f));
+}
+
+// box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
+// order: z[4b + j] = normal j of block b.
+inline void box_muller_lanes(const U32Vec w[4], float* z) {
+  alignas(64) float lanes[4][kBatch];
+  for (int pair = 0; pair < 2; ++pair) {
+    const __m512 r =
+        _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), Sleef_logf16_u10(uniform_lanes(w[2 * pair]))));
+    const __m512 theta = _mm512_mul_ps(_mm512_set1_ps(6.2831853071795865f), uniform_lanes(w[2 * pair + 1]));
+    _mm512_store_ps(lanes[2 * pair], _mm512_mul_ps(r, Sleef_cosf16_u35(theta)));
+    _mm512_store_ps(lanes[2 * pair + 1], _mm512_mul_ps(r, Sleef_sinf16_u35(theta)));
+  }
+  for (int b = 0; b < kBatch; ++b) {
+    for (int j = 0; j < 4; ++j) z[4 * b + j] = lanes[j][b];
+  }
+}
+#else
+constexpr int kBatch = 8;
+using fVec8 = at::vec::Vectorized<float>;
+static_assert(fVec8::size() == kBatch, "the at::vec Box-Muller takes one vector per Philox word");
+
 #if defined(CPU_CAPABILITY_AVX2)
 struct U32Vec {
   __m256i v;
-  static U32Vec load(const uint32_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  static U32Vec broadcast(uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
+  // (x, x + 1, ..., x + 7); the caller guarantees no lane wraps.
+  static U32Vec iota(uint32_t x) {
+    return {
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(x)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))};
+  }
   void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm256_xor_si256(a.v, b.v)}; }
   friend U32Vec operator^(U32Vec a, uint32_t k) {
@@ -32,7 +95,6 @@ struct U32Vec {
   }
 };
 
-// 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
   const __m256i even = _mm256_mul_epu32(a.v, mv);
@@ -40,79 +102,115 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   lo = {_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010)};
   hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
 }
+
+// AVX2 converts only signed int32, so float(x) is formed as float(x >> 16) * 2^16 +
+// float(x & 0xFFFF): both terms are exact and the one addition rounds x to nearest-even,
+// bit-identical to the scalar cast.
+inline fVec8 uniform_lanes(const U32Vec& x) {
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x.v, 16));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(x.v, _mm256_set1_epi32(0xFFFF)));
+  const __m256 f = _mm256_add_ps(_mm256_mul_ps(hi, _mm256_set1_ps(65536.0f)), lo);
+  return _mm256_fmadd_ps(f, _mm256_set1_ps(2.3283064365386963e-10f), _mm256_set1_ps(1.1641532182693481e-10f));
+}
+
+// out[4b + j] = z[j][b]: a 4x8 transpose in registers.
+inline void store_element_order(const fVec8 z[4], float* out) {
+  const __m256 t0 = _mm256_unpacklo_ps(z[0], z[1]), t1 = _mm256_unpackhi_ps(z[0], z[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(z[2], z[3]), t3 = _mm256_unpackhi_ps(z[2], z[3]);
+  const __m256 b04 = _mm256_shuffle_ps(t0, t2, 0x44), b15 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 b26 = _mm256_shuffle_ps(t1, t3, 0x44), b37 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(b04, b15, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(b26, b37, 0x20));
+  _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(b04, b15, 0x31));
+  _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(b26, b37, 0x31));
+}
 #else
 struct U32Vec {
-  uint32_t v[8];
-  static U32Vec load(const uint32_t* p) {
+  uint32_t v[kBatch];
+  static U32Vec broadcast(uint32_t x) {
     U32Vec r;
-    std::copy(p, p + 8, r.v);
+    std::fill(r.v, r.v + kBatch, x);
     return r;
   }
-  void store(uint32_t* p) const { std::copy(v, v + 8, p); }
+  static U32Vec iota(uint32_t x) {
+    U32Vec r;
+    for (int i = 0; i < kBatch; ++i) r.v[i] = x + static_cast<uint32_t>(i);
+    return r;
+  }
+  void store(uint32_t* p) const { std::copy(v, v + kBatch, p); }
   friend U32Vec operator^(U32Vec a, U32Vec b) {
-    for (int i = 0; i < 8; ++i) a.v[i] ^= b.v[i];
+    for (int i = 0; i < kBatch; ++i) a.v[i] ^= b.v[i];
     return a;
   }
   friend U32Vec operator^(U32Vec a, uint32_t k) {
-    for (int i = 0; i < 8; ++i) a.v[i] ^= k;
+    for (int i = 0; i < kBatch; ++i) a.v[i] ^= k;
     return a;
   }
 };
 
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
-  for (int i = 0; i < 8; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
+  for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
+}
+
+inline fVec8 uniform_lanes(const U32Vec& x) {
+  alignas(64) float u[kBatch];
+  for (int i = 0; i < kBatch; ++i) u[i] = uniform_open0(x.v[i]);
+  return fVec8::loadu(u);
+}
+
+inline void store_element_order(const fVec8 z[4], float* out) {
+  alignas(64) float lanes[4][kBatch];
+  for (int j = 0; j < 4; ++j) z[j].store(lanes[j]);
+  for (int b = 0; b < kBatch; ++b) {
+    for (int j = 0; j < 4; ++j) out[4 * b + j] = lanes[j][b];
+  }
 }
 #endif
 
-// Words of kBatch consecutive blocks starting at `block`, element order (4 words per block):
-// philox4x32_10() on eight counters at once via philox_round<U32Vec>.
+// box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
+// order: z[4b + j] = normal j of block b.
+inline void box_muller_lanes(const U32Vec w[4], float* z) {
+  fVec8 out[4];
+  for (int pair = 0; pair < 2; ++pair) {
+    const fVec8 r = (fVec8(-2.0f) * uniform_lanes(w[2 * pair]).log()).sqrt();
+    const fVec8 theta = fVec8(6.2831853071795865f) * uniform_lanes(w[2 * pair + 1]);
+    out[2 * pair] = r * theta.cos();
+    out[2 * pair + 1] = r * theta.sin();
+  }
+  store_element_order(out, z);
+}
+#endif
+
+constexpr int64_t kRun = 4 * kBatch;  // elements per run
+
+// philox4x32_10() of the kBatch blocks starting at `block`, lane-major: w[j] holds word j. block
+// is a multiple of kBatch (runs are aligned), so the counter's low word never carries.
+inline void philox_lanes(uint64_t block, const NoiseKey& key, U32Vec w[4]) {
+  w[0] = U32Vec::iota(static_cast<uint32_t>(block));
+  w[1] = U32Vec::broadcast(static_cast<uint32_t>(block >> 32));
+  w[2] = U32Vec::broadcast(key.step);
+  w[3] = U32Vec::broadcast(key.stream);
+  uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1)
+    philox_round(w[0], w[1], w[2], w[3], k0, k1);
+}
+
+// Words of kBatch consecutive blocks starting at `block`, element order (4 words per block).
 inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
-  static_assert(kBatch % 8 == 0, "Philox runs are whole U32Vec groups");
-  for (int g = 0; g < kBatch; g += 8) {
-    alignas(64) uint32_t lanes[4][8];
-    for (int b = 0; b < 8; ++b) {
-      const uint64_t blk = block + g + b;
-      lanes[0][b] = static_cast<uint32_t>(blk);
-      lanes[1][b] = static_cast<uint32_t>(blk >> 32);
-      lanes[2][b] = key.step;
-      lanes[3][b] = key.stream;
-    }
-    U32Vec c0 = U32Vec::load(lanes[0]), c1 = U32Vec::load(lanes[1]), c2 = U32Vec::load(lanes[2]),
-           c3 = U32Vec::load(lanes[3]);
-    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-    for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1)
-      philox_round(c0, c1, c2, c3, k0, k1);
-    c0.store(lanes[0]);
-    c1.store(lanes[1]);
-    c2.store(lanes[2]);
-    c3.store(lanes[3]);
-    for (int b = 0; b < 8; ++b) {
-      for (int w = 0; w < 4; ++w) words[4 * (g + b) + w] = lanes[w][b];
-    }
+  U32Vec w[4];
+  philox_lanes(block, key, w);
+  alignas(64) uint32_t lanes[4][kBatch];
+  for (int j = 0; j < 4; ++j) w[j].store(lanes[j]);
+  for (int b = 0; b < kBatch; ++b) {
+    for (int j = 0; j < 4; ++j) words[4 * b + j] = lanes[j][b];
   }
 }
 
 // Standard normals of kBatch consecutive blocks, element order.
 inline void normal_run(uint64_t block, const NoiseKey& key, float* z) {
-  alignas(64) uint32_t words[kRun];
-  philox_run(block, key, words);
-  alignas(64) float u[4][kBatch];
-  for (int b = 0; b < kBatch; ++b) {
-    for (int w = 0; w < 4; ++w) u[w][b] = uniform_open0(words[4 * b + w]);
-  }
-  alignas(64) float out[4][kBatch];
-  for (int pair = 0; pair < 2; ++pair) {
-    // Same formula as box_muller() in philox.h, kBatch lanes at a time.
-    const at::vec::Vectorized<float> r =
-        (at::vec::Vectorized<float>(-2.0f) * at::vec::Vectorized<float>::loadu(u[2 * pair]).log()).sqrt();
-    const at::vec::Vectorized<float> theta =
-        at::vec::Vectorized<float>(6.2831853071795865f) * at::vec::Vectorized<float>::loadu(u[2 * pair + 1]);
-    (r * theta.cos()).store(out[2 * pair]);
-    (r * theta.sin()).store(out[2 * pair + 1]);
-  }
-  for (int b = 0; b < kBatch; ++b) {
-    for (int w = 0; w < 4; ++w) z[4 * b + w] = out[w][b];
-  }
+  U32Vec w[4];
+  philox_lanes(block, key, w);
+  box_muller_lanes(w, z);
 }
 
 // out[i] = z(e0 + i) for i < n: standard normals of an arbitrary element range.
