@@ -1,5 +1,8 @@
 """``dpkernels bench``: time ``clip_and_accumulate`` against eager, compiled and Opacus baselines.
 
+(The ``noise`` and ``privatize`` sections live in :mod:`dpkernels.bench_noise`; this docstring
+describes the ``clip`` section, whose measurement machinery they share.)
+
 What is measured, per named model shape (a list of ``[B, *param_shape]`` fp32 per-sample
 gradients, built once with ``randn`` and shared by every provider):
 
@@ -142,6 +145,11 @@ SHAPES: dict[str, Callable[[bool], Shape]] = {
     "small-b8": lambda quick=False: small_tensors_shape(8),
     "small-b32": lambda quick=False: small_tensors_shape(32),
 }
+
+
+#: What ``dpkernels bench`` can run: the clipping pipeline (this module), the Gaussian generator
+#: and the fused private gradient (:mod:`dpkernels.bench_noise`).
+SECTIONS = ("clip", "noise", "privatize")
 
 
 def get_shape(name: str, quick: bool = False) -> Shape:
@@ -502,6 +510,7 @@ class BenchConfig:
     threads: int = 0  # 0: leave torch's setting alone
     budget_s: float = 20.0  # per provider and shape; slower providers get fewer rounds
     compile_skip: str | None = None  # a reason to leave out torch.compile of the reference
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
 
 
 def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dict:
@@ -772,6 +781,30 @@ def expected_steps(cfg: BenchConfig) -> int:
     return 2 + (n_clip + 2) * (cfg.warmup + cfg.repeats) + n_clip
 
 
+def _run_noise_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
+    """The generator and ``privatize`` sections (:mod:`dpkernels.bench_noise`), one progress bar each."""
+    from . import bench_noise
+
+    def ticker(task, label):
+        return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
+
+    if "noise" in cfg.sections:
+        n = len(bench_noise.generator_providers(0)) * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("generator", total=n)
+        record["noise"] = bench_noise.bench_generator(cfg, on_call=ticker(task, "generator"))
+        progress.update(task, description="generator: done", completed=n)
+        progress.console.print(bench_noise.generator_table(record["noise"]))
+    if "privatize" in cfg.sections:
+        n = len(shapes) * 5 * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("privatize", total=n)
+        record["privatize"] = []
+        for shape in shapes:
+            rec = bench_noise.bench_privatize(shape, cfg, on_call=ticker(task, f"privatize {shape.name}"))
+            record["privatize"].append(rec)
+            progress.console.print(bench_noise.privatize_table(rec))
+        progress.update(task, description="privatize: done", completed=n)
+
+
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
     """Run the benchmark with a progress bar, print one table per shape, write the JSON."""
     from rich.console import Console
@@ -812,14 +845,17 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         console=console,
         transient=False,
     ) as progress:
-        task = progress.add_task("starting", total=per_shape * len(shapes))
-        for shape in shapes:
-            rec = bench_shape(shape, cfg, progress, task)
-            record["shapes"].append(rec)
-            progress.console.print(shape_table(rec))
-        progress.update(task, description="done", completed=progress.tasks[task].total)
-    record["targets"] = target_rows(record["shapes"])
-    console.print(targets_table(record["targets"]))
+        if "clip" in cfg.sections:
+            task = progress.add_task("starting", total=per_shape * len(shapes))
+            for shape in shapes:
+                rec = bench_shape(shape, cfg, progress, task)
+                record["shapes"].append(rec)
+                progress.console.print(shape_table(rec))
+            progress.update(task, description="clip: done", completed=progress.tasks[task].total)
+        _run_noise_sections(cfg, shapes, record, progress)
+    if "clip" in cfg.sections:
+        record["targets"] = target_rows(record["shapes"])
+        console.print(targets_table(record["targets"]))
     record["wall_s"] = time.perf_counter() - t_start
     record["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if json_path is not None:

@@ -2,8 +2,9 @@
 
 Subcommands:
 
-- ``bench``: time ``clip_and_accumulate`` on model-shaped gradient lists against the eager and
-  compiled reference, Opacus and same-run memory bandwidth (see :mod:`dpkernels.bench`).
+- ``bench``: time ``clip_and_accumulate``, the Gaussian generator and ``privatize`` on
+  model-shaped gradient lists against the eager and compiled reference, Opacus, ``torch.normal``
+  and same-run memory bandwidth (see :mod:`dpkernels.bench` and :mod:`dpkernels.bench_noise`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def _shape_list(text: str) -> list[str]:
     return names
 
 
+def _section_list(text: str) -> list[str]:
+    from .bench import SECTIONS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -41,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpkernels", description="Fused kernels for DP training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from .bench import SHAPES
+    from .bench import SECTIONS, SHAPES
 
     bench = sub.add_parser(
         "bench",
@@ -73,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
+    )
+    bench.add_argument(
+        "--sections",
+        type=_section_list,
+        default=list(SECTIONS),
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)",
     )
     bench.add_argument("--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)")
     bench.add_argument(
@@ -111,6 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         budget_s=preset["budget_s"],
         compile_skip=_compile_skip(args),
+        sections=args.sections,
     )
     run(cfg, json_path=args.json)
     return 0
