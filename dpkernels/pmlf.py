@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -48,9 +47,7 @@ def pmlf_grad_samples(
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
         raise TypeError("inputs and targets must be tensors with the batch on dim 0")
     if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
-        raise ValueError(
-            f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must share the batch dim 0"
-        )
+        raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must share the batch dim 0")
     names = [n for n, _ in named]
     buffers = dict(model.named_buffers())
 

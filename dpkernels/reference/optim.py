@@ -287,14 +287,15 @@ class DPOptimizer(torch.optim.Optimizer):
         return [s.to(_state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0]
 
     def _noise_on_sum(self, t: int, C: float, noise) -> list[Tensor]:
-        """``ν = σ·C·z_t`` per parameter (fp32 product, as privatize), or the injected ``noise``."""
+        """``ν = σ·C·z_t`` per parameter, or the injected ``noise``. The product is taken in the state
+        dtype: fp32 as privatize (bit-identical), fp64 for fp64 parameters."""
         params = self._params()
         if noise is not None:
             return [nu.to(_state_dtype(p)) for nu, p in zip(noise, params, strict=True)]
         if self.noise_multiplier == 0.0:
             return [torch.zeros_like(p, dtype=_state_dtype(p)) for p in params]
         std = self.noise_multiplier * C
-        return [(std * z).to(_state_dtype(p)) for z, p in zip(self.noise(t), params, strict=True)]
+        return [std * z.to(_state_dtype(p)) for z, p in zip(self.noise(t), params, strict=True)]
 
     def _private_mean(self, sums: list[Tensor], nus: list[Tensor]) -> list[Tensor]:
         """``(S + ν) · (1/B)``, the rounding order of privatize."""
@@ -800,7 +801,7 @@ class DPPMLF(DPOptimizer):
         sums, _ = self._clip(grad_sets, C, coeffs=self.momentum_coeffs)
         vbars = self._private_mean(sums, self._noise_on_sum(t, C, noise))
         # t is 1-based here; the paper's index is t − 1, so b_τ exists for τ <= t − 1.
-        c_t = -sum(a_tau * c for a_tau, c in zip(a, self._c_hist)) + sum(b[: t])
+        c_t = -sum(a_tau * c for a_tau, c in zip(a, self._c_hist, strict=False)) + sum(b[:t])
         for p, vbar, group in zip(params, vbars, self._groups_of(), strict=True):
             st = self.state[p]
             m = b[0] * vbar
