@@ -173,6 +173,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         params = self._params()
         grad_sets = self._grad_sets(params)
+        for p in params:
+            if not self.state[p]:  # a parameter added with add_param_group
+                self.state[p] = self._init_state(p)
         if noise is not None:
             noise = self._check_noise(noise, params)
         t = self._step + 1
@@ -356,7 +359,19 @@ class DPSGD(DPOptimizer):
 
 
 class _AdamBase(DPOptimizer):
-    """Adam moments on a private gradient ``g̃``; subclasses form ``g̃`` and the denominator."""
+    """Adam moments on a private gradient ``g̃``. The default ``_update`` is post-processing
+    (``g̃ = (S + ν)/B``); subclasses give the denominator, or their own ``g̃``."""
+
+    def _denominator(self, v_hat: Tensor, group: dict) -> Tensor:
+        raise NotImplementedError
+
+    def _update(self, params, grad_sets, t, noise):
+        C = self.max_grad_norm
+        sums, _ = self._clip(grad_sets, C)
+        g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
+        for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
+            m_hat, v_hat = self._adam_moments(p, g, group, t)
+            self._adam_step(p, m_hat, self._denominator(v_hat, group), group)
 
     def _init_state(self, p):
         dt = _state_dtype(p)
@@ -399,16 +414,11 @@ class DPAdam(_AdamBase):
                          noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
 
-    def _update(self, params, grad_sets, t, noise):
-        C = self.max_grad_norm
-        sums, _ = self._clip(grad_sets, C)
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
-        for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
-            m_hat, v_hat = self._adam_moments(p, g, group, t)
-            self._adam_step(p, m_hat, v_hat.sqrt() + group["eps"], group)
+    def _denominator(self, v_hat, group):
+        return v_hat.sqrt() + group["eps"]
 
 
-class DPAdamBC(DPAdam):
+class DPAdamBC(_AdamBase):
     """DP-AdamBC (Tang et al. 2024; seeds/000 eq. 8, seeds/001 Alg. 7): DP-Adam with the noise
     variance removed from the second moment::
 
@@ -416,30 +426,25 @@ class DPAdamBC(DPAdam):
 
     ``gamma_prime`` (γ') defaults to **1e-8**: the papers leave it open; Ganesh et al. tune the
     equivalent ``max(·, ε²)`` and report ε = 1e-4 best in all their settings, i.e. γ' = 1e-8.
-    ``eps`` is not used. State as DPAdam.
+    State as DPAdam.
     """
 
     def __init__(self, params, lr=1e-3, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip",
                  r=None, seed=None, betas=(0.9, 0.999), gamma_prime=1e-8, weight_decay=0.0):  # fmt: skip
+        betas = _check_betas(betas)
         _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
-        super().__init__(params, lr, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed, betas=betas,
-                         weight_decay=weight_decay)  # fmt: skip
-        for group in self.param_groups:
-            group.setdefault("gamma_prime", gamma_prime)
+        _check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(params, dict(lr=lr, betas=betas, gamma_prime=gamma_prime, weight_decay=weight_decay),
+                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
 
     @property
     def phi(self) -> float:
         """``Φ = (σ·C/B)²``, the variance of the noise in each coordinate of ``g̃``."""
         return (self.noise_multiplier * self.max_grad_norm / self.expected_batch_size) ** 2
 
-    def _update(self, params, grad_sets, t, noise):
-        C = self.max_grad_norm
-        sums, _ = self._clip(grad_sets, C)
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
-        for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
-            m_hat, v_hat = self._adam_moments(p, g, group, t)
-            self._adam_step(p, m_hat, torch.clamp(v_hat - self.phi, min=group["gamma_prime"]).sqrt(), group)
+    def _denominator(self, v_hat, group):
+        return torch.clamp(v_hat - self.phi, min=group["gamma_prime"]).sqrt()
 
 
 class DPAdamSTP(_AdamBase):
@@ -482,7 +487,10 @@ class DPAdamSTP(_AdamBase):
         g_priv = self._private_mean(sums, nus)
         for p, g, group in zip(params, g_priv, groups, strict=True):
             m_hat, v_hat = self._adam_moments(p, g, group, t)
-            self._adam_step(p, m_hat, v_hat.sqrt() + group["eps2"], group)
+            self._adam_step(p, m_hat, self._denominator(v_hat, group), group)
+
+    def _denominator(self, v_hat, group):
+        return v_hat.sqrt() + group["eps2"]
 
 
 # ============================================================================================
@@ -647,18 +655,18 @@ class DP2(DPOptimizer):
 
     def _update(self, params, grad_sets, t, noise):
         groups = self._groups_of()
-        r = (t - 1) % (self.s1 + self.s2)
-        if r == 0:
+        pos = (t - 1) % (self.s1 + self.s2)  # position in the cycle
+        if pos == 0:
             for p in params:
                 self.state[p]["G"] = torch.zeros_like(self.state[p]["G"])
-        if r == self.s1:
+        if pos == self.s1:
             for p, group in zip(params, groups, strict=True):
                 st = self.state[p]
                 G2 = (st["G"] / self.s1) ** 2
                 st["v"] = group["beta"] * st["v"] + (1 - group["beta"]) * G2 if self.preconditioner == "rmsprop" \
                     else st["v"] + G2  # fmt: skip
                 st["G"] = torch.zeros_like(st["G"])
-        if r < self.s1:
+        if pos < self.s1:
             C = self.max_grad_norm
             sums, _ = self._clip(grad_sets, C)
             g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
