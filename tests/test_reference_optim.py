@@ -641,3 +641,20 @@ def test_bad_grad_samples_and_noise():
         pmlf.step()
     with pytest.raises(ValueError, match="no 'dp' entry"):
         opt.load_state_dict(torch.optim.Adam(params).state_dict())
+
+
+def test_empty_batch_added_group_and_closure():
+    """An empty Poisson batch is a noise-only step; a group added later gets state; the closure's
+    loss is returned."""
+    p = torch.zeros(5, requires_grad=True)
+    opt = O.DPSGD([p], lr=1.0, noise_multiplier=1.0, max_grad_norm=2.0, expected_batch_size=4, seed=8)
+    p.grad_sample = torch.zeros(0, 5)
+    assert opt.step(closure=lambda: torch.tensor(3.0)).item() == 3.0
+    assert torch.equal(-p.detach(), 2.0 * opt.noise(1)[0] * 0.25)
+    q = torch.zeros(2, 3, requires_grad=True)
+    adam = O.DPAdam([p], lr=1e-2, **BASE)
+    adam.add_param_group({"params": [q], "lr": 0.5})
+    for x in (p, q):
+        x.grad_sample = torch.ones(4, *x.shape)
+    adam.step()
+    assert adam.state[q]["exp_avg"].shape == q.shape and adam.param_groups[1]["betas"] == (0.9, 0.999)

@@ -326,7 +326,7 @@ class DPSGD(DPOptimizer):
         θ ← θ − η buf
 
     DP-PSAC (seeds/003) is ``DPSGD(mode="psac", r=0.1)``: the same algorithm with the weight
-    ``C/(n + r/(n + r))``. State: ``momentum_buffer`` (only when μ > 0).
+    ``C/(n + r/(n + r))``. State: ``momentum_buffer`` (stays 0 when μ = 0).
     """
 
     def __init__(self, params, lr, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip", r=None,
@@ -607,7 +607,7 @@ class DPMacAdam(_AdamBase):
 
 
 class DP2(DPOptimizer):
-    """DP² (Li et al. 2023, Algorithm 1; seeds/000 Part B), RMSProp or AdaGrad preconditioner.
+    """DP² (Li et al. 2023, Algorithm 1; seeds/004, seeds_macadam_dp2.md Part B), RMSProp or AdaGrad.
 
     Cycles of ``s1`` private SGD steps then ``s2`` preconditioned steps. With ``r = (t−1) mod
     (s1+s2)`` for the 1-based step ``t``::
