@@ -44,9 +44,9 @@ def grad_samples(params, B, step, k=1, dtype=None, scale=1.0):
     return sets
 
 
-def attach(params, sets):
+def attach(params, sets, as_list=False):
     for idx, p in enumerate(params):
-        p.grad_sample = sets[0][idx] if len(sets) == 1 else [s[idx] for s in sets]
+        p.grad_sample = [s[idx] for s in sets] if as_list or len(sets) > 1 else sets[0][idx]
 
 
 def clipped_mean(sets, C, B, coeffs=(1.0,)):
@@ -514,6 +514,7 @@ OPTIMIZERS = {
     "macadambc": (O.DPMacAdam, dict(lr=1e-2, bias_correction=True, bc_scale="b2")),
     "dp2": (O.DP2, dict(lr=0.1, lr2=0.01, s1=2, s2=2, preconditioner="adagrad")),
     "pmlf": (O.DPPMLF, dict(lr=0.1, k=2, filter="a72b0505")),
+    "pmlf_k1": (O.DPPMLF, dict(lr=0.1, k=1, filter="a6b0501", mode="auto_v")),
 }
 
 
@@ -526,7 +527,7 @@ def _build(name, params, seed):
 
 def _feed(opt, params, t):
     k = opt._num_grad_sets
-    attach(params, grad_samples(params, 4, t, k=k, dtype=torch.float32))
+    attach(params, grad_samples(params, 4, t, k=k, dtype=torch.float32), as_list=opt._grad_sample_is_list)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -638,6 +639,10 @@ def test_bad_grad_samples_and_noise():
     pmlf = O.DPPMLF(params, lr=0.1, k=2, **BASE)
     attach(params, grad_samples(params, 4, 1))
     with pytest.raises(TypeError, match="list of k=2 tensors"):
+        pmlf.step()
+    for p in params:
+        p.grad_sample = [p.grad_sample, p.grad_sample[:3]]
+    with pytest.raises(ValueError, match="grad_sample\\[1\\] has batch size 3 but parameter 0 has 4"):
         pmlf.step()
     with pytest.raises(ValueError, match="no 'dp' entry"):
         opt.load_state_dict(torch.optim.Adam(params).state_dict())

@@ -99,6 +99,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     #: number of per-sample gradient sets read from ``p.grad_sample`` (DP-PMLF: ``k``)
     _num_grad_sets: int = 1
+    #: ``p.grad_sample`` is a list of ``_num_grad_sets`` tensors (DP-PMLF, even for k = 1)
+    _grad_sample_is_list: bool = False
 
     def __init__(self, params, defaults, *, noise_multiplier, max_grad_norm, expected_batch_size, mode, r, seed):
         _check_number("lr", defaults.get("lr"), low=0.0)
@@ -241,7 +243,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"{what} has no grad_sample; compute per-sample gradients (Opacus GradSampleModule, "
                     f"torch.func, or dpkernels.pmlf.pmlf_grad_samples) and set p.grad_sample before step()"
                 )
-            if k == 1:
+            if not self._grad_sample_is_list:
                 if not isinstance(gs, Tensor):
                     raise TypeError(
                         f"{what}: grad_sample must be one tensor [B, *p.shape], got {type(gs).__name__}; "
@@ -255,7 +257,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     + (f" of length {len(gs)}" if isinstance(gs, Sequence) and not isinstance(gs, Tensor) else "")
                 )
             for j, g in enumerate(gs):
-                name = f"{what}: grad_sample" + (f"[{j}]" if k > 1 else "")
+                name = f"{what}: grad_sample" + (f"[{j}]" if self._grad_sample_is_list else "")
                 if not isinstance(g, Tensor) or not g.is_floating_point():
                     raise TypeError(f"{name} must be a floating-point tensor")
                 if g.dim() != p.dim() + 1 or g.shape[1:] != p.shape:
@@ -721,7 +723,7 @@ class DPPMLF(DPOptimizer):
     """DP-PMLF (Xu et al. 2026; seeds/002 Part A): per-sample momentum over ``k`` iterates,
     clipping, noise, a low-pass IIR filter with bias correction, then SGD.
 
-    ``p.grad_sample`` is a list of ``k`` tensors ``[B, *p.shape]``: entry ``j`` holds the
+    ``p.grad_sample`` is a list of ``k`` tensors ``[B, *p.shape]`` (also for k = 1): entry ``j`` holds the
     per-sample gradients of the current batch at the iterate ``x_{t−j}`` (``j = 0``: the current
     parameters; earlier iterates from :meth:`past_params`; :func:`dpkernels.pmlf.pmlf_grad_samples`
     computes them). Per step (0-based paper index ``t``)::
@@ -752,6 +754,7 @@ class DPPMLF(DPOptimizer):
         self.k, self.beta = k, float(beta)
         self.filter_a, self.filter_b = self._check_filter(filter)
         self._num_grad_sets = k
+        self._grad_sample_is_list = True
         self._c_hist: list[float] = []  # c_{t−1}, c_{t−2}, ... (at most na entries)
         super().__init__(params, dict(lr=lr), noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
