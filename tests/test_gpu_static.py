@@ -22,7 +22,9 @@ def test_triton_kernels_compile_for_sm80_sm90():
     pytest.importorskip("triton")
     tool = _tool()
     res = tool.check_triton()
-    assert res["status"] == "ok", tool.format_report({"triton": res, "cuda": {"status": "skipped"}, "ok": False, "elapsed_s": 0})
+    assert res["status"] == "ok", tool.format_report(
+        {"triton": res, "cuda": {"status": "skipped"}, "ok": False, "elapsed_s": 0}
+    )
     assert res["results"], "no Triton kernel was compiled"
 
 
