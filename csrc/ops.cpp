@@ -36,7 +36,9 @@ TORCH_LIBRARY(dpkernels_C, m) {
   // Secure mode (docs/RNG.md §6): the same three ops with ChaCha20. key: the 256-bit key as 4 int64
   // limbs, limb j = bits 64j .. 64j + 63. Normals are float64; std * z (+ the element) is rounded once.
   m.def("chacha20_uint32_(Tensor(a!) out, int[] key, int step, int stream, int offset) -> ()");
-  m.def("chacha20_gaussian_fill_(Tensor(a!) out, float std, int[] key, int step, int stream, int offset) -> ()");
+  m.def(
+      "chacha20_gaussian_fill_(Tensor(a!) out, float std, int[] key, int step, int stream, int offset) -> "
+      "()");
   m.def(
       "chacha20_add_gaussian_noise_(Tensor(a!)[] tensors, float std, int[] key, int step, int stream, "
       "int offset) -> ()");

@@ -101,8 +101,8 @@ void chacha20_uint32_cpu(at::Tensor& out, at::IntArrayRef key, int64_t step, int
       [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
 }
 
-void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step, int64_t stream,
-                           int64_t offset, bool accumulate) {
+void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
+                           int64_t stream, int64_t offset, bool accumulate) {
   const ChachaKey k = make_chacha_key(key, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   int64_t base = offset;
@@ -112,7 +112,8 @@ void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef k
     DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "chacha20_gaussian_noise", [&] {
       scalar_t* p = x.data_ptr<scalar_t>();
       for_each_run<double, kChachaNormalRun>(
-          base, base + x.numel(), [&](uint64_t run, double* z) { chacha_normal_run(run * kChachaBatch, k, z); },
+          base, base + x.numel(),
+          [&](uint64_t run, double* z) { chacha_normal_run(run * kChachaBatch, k, z); },
           [&](int64_t e, const double* z, int64_t n) {
             scalar_t* dst = p + (e - base);
             for (int64_t i = 0; i < n; ++i) {
@@ -125,8 +126,8 @@ void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef k
   }
 }
 
-void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key, int64_t step, int64_t stream,
-                                int64_t offset) {
+void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key, int64_t step,
+                                int64_t stream, int64_t offset) {
   chacha20_gaussian_cpu({out}, std, key, step, stream, offset, /*accumulate=*/false);
 }
 

@@ -155,7 +155,10 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
   alignas(64) uint32_t lanes[16][kChachaBatch];
   for (int b = 0; b < kChachaBatch; ++b) {
     const uint64_t blk = block + b;
-    for (int i = 0; i < 4; ++i) lanes[i][b] = kChachaConst[i];
+    lanes[0][b] = kChacha0;
+    lanes[1][b] = kChacha1;
+    lanes[2][b] = kChacha2;
+    lanes[3][b] = kChacha3;
     for (int i = 0; i < 8; ++i) lanes[4 + i][b] = key.k[i];
     lanes[12][b] = static_cast<uint32_t>(blk);
     lanes[13][b] = static_cast<uint32_t>(blk >> 32);

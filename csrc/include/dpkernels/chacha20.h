@@ -4,6 +4,7 @@
 // uint32 words are bit-identical on all four.
 #pragma once
 
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -36,7 +37,9 @@ inline ChachaKey make_chacha_key(c10::ArrayRef<int64_t> key, int64_t step, int64
   return k;
 }
 
-constexpr uint32_t kChachaConst[4] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u};
+// "expand 32-byte k", state words 0..3.
+constexpr uint32_t kChacha0 = 0x61707865u, kChacha1 = 0x3320646eu, kChacha2 = 0x79622d32u,
+                   kChacha3 = 0x6b206574u;
 constexpr int kChachaDoubleRounds = 10;
 
 DPK_HOST_DEVICE inline uint32_t rotl32(uint32_t x, int n) { return (x << n) | (x >> (32 - n)); }
@@ -84,10 +87,10 @@ DPK_HOST_DEVICE inline void chacha20_rounds(T (&x)[16]) {
 
 // The 16 output words of block `block`: state = (constants, key, block lo, block hi, step, stream).
 DPK_HOST_DEVICE inline void chacha20_block(uint64_t block, const ChachaKey& key, uint32_t (&x)[16]) {
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < 4; ++i) x[i] = kChachaConst[i];
+  x[0] = kChacha0;
+  x[1] = kChacha1;
+  x[2] = kChacha2;
+  x[3] = kChacha3;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
@@ -129,9 +132,9 @@ DPK_HOST_DEVICE inline void chacha_normals(const uint32_t (&w)[16], double (&z)[
 #pragma unroll
 #endif
   for (int k = 0; k < 4; ++k)
-    box_muller64(uniform53(w[4 * k], w[4 * k + 1]), uniform53(w[4 * k + 2], w[4 * k + 3]), z[2 * k], z[2 * k + 1]);
+    box_muller64(uniform53(w[4 * k], w[4 * k + 1]), uniform53(w[4 * k + 2], w[4 * k + 3]), z[2 * k],
+                 z[2 * k + 1]);
 }
-
 
 // The float64 value rounded once to T. Directly for float; for the 16-bit types via float with
 // round-to-odd (truncate, then set the last bit if inexact), which float's 13+ extra bits make
