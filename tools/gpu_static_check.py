@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = (80, 90)
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
-NOISE_KERNELS = ("_noise_kernel",)
+NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -173,6 +173,17 @@ def _triton_specs():
         vec = 128 // elem.primitive_bitwidth  # elements per 128-bit vector
         consts = dict(MODE=mode, ELEM=elem, BLOCK=tn.NOISE_BLOCK, ALIGNED=aligned, VEC=vec)
         specs.append((tn._noise_kernel, variant, noise_sig, consts, tn.NOISE_NUM_WARPS))
+
+    # Secure mode (ChaCha20, float64 Box-Muller): masked accesses only, so no 128-bit requirement;
+    # no local memory (libdevice cospi/sinpi have no Payne-Hanek slow path), no spills.
+    chacha_sig = {n: "*i64" for n in ("ptrs", "numels", "bases", "tile_slot", "tile_start", "key")}
+    chacha_variants = [("chacha20 words int64", tn.MODE_WORDS, tl.int64, 16)]
+    for name, elem in (("fp32", tl.float32), ("bf16", tl.bfloat16), ("fp16", tl.float16)):
+        chacha_variants.append((f"chacha20 fill {name}", tn.MODE_FILL, elem, 8))
+        chacha_variants.append((f"chacha20 add {name}", tn.MODE_ADD, elem, 8))
+    for variant, mode, elem, per_block in chacha_variants:
+        consts = dict(MODE=mode, ELEM=elem, BLOCK=per_block * tn.CHACHA_BLOCKS)
+        specs.append((tn._chacha_kernel, variant, chacha_sig, consts, tn.CHACHA_NUM_WARPS))
     return specs
 
 

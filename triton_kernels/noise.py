@@ -84,10 +84,10 @@ NOISE_NUM_WARPS = 8
 #: so tiles are much larger there; the results do not depend on the tile size.
 INTERPRETER_NOISE_BLOCK = 1 << 16
 
-#: ChaCha20 blocks per program of ``_chacha_kernel`` (one per GPU thread at 8 warps): a tile is
+#: ChaCha20 blocks per program of ``_chacha_kernel`` (one per GPU thread at 4 warps): a tile is
 #: ``16 ·`` that many words or ``8 ·`` that many normals.
-CHACHA_BLOCKS = 256
-CHACHA_NUM_WARPS = 8
+CHACHA_BLOCKS = 128
+CHACHA_NUM_WARPS = 4
 INTERPRETER_CHACHA_BLOCKS = 1 << 12
 
 #: Kernel modes: raw words to int64, ``out = std·z``, ``x += std·z``.
