@@ -1,13 +1,21 @@
 """Counter-based Gaussian noise, bit-identical words on every backend (spec: docs/RNG.md).
 
-Philox4x32-10 keyed by a 64-bit ``seed``, counter = (element block, ``step``, ``stream``), with
-the element index running over the **global flat index** of a tensor list. The noise for an
-element therefore does not depend on how tensors are grouped, chunked or launched, and
-``(seed, step, stream, index)`` names each draw exactly once.
+Two generators, selected with ``rng=``; both are counter-based, with counter = (element block,
+``step``, ``stream``) and the element index running over the **global flat index** of a tensor
+list, so the noise of an element does not depend on how tensors are grouped, chunked or
+launched, and ``(key, step, stream, index)`` names each draw exactly once.
 
-Philox is a fast statistical generator, **not** a cryptographic one: whoever knows the seed can
-reproduce the noise. Seeds default to a fresh 64-bit value from the OS CSPRNG; pass a fixed seed
-only for reproducibility.
+- ``rng="philox"`` (default): Philox4x32-10 keyed by a 64-bit ``seed``, fp32 Box–Muller. A fast
+  statistical generator, **not** a cryptographic one: whoever knows or guesses the seed can
+  reproduce the noise, and Philox is not designed against adversaries.
+- ``rng="chacha20"`` (secure mode, docs/RNG.md §6): the ChaCha20 stream cipher (RFC 8439, 20
+  rounds) keyed by a 256-bit ``seed``, 53-bit uniforms, float64 Box–Muller, the noised value
+  formed in float64 and rounded once to the output dtype. A CSPRNG while the key is secret and
+  fresh; it narrows but does not close the floating-point attacks of Mironov (CCS 2012), for
+  which the snapping mechanism or a discrete Gaussian are the rigorous fixes.
+
+Seeds default to a fresh value of the generator's key size from the OS CSPRNG (``secrets``);
+pass a fixed seed only for reproducibility, and keep it as secret as the data.
 """
 
 from __future__ import annotations
@@ -232,7 +240,9 @@ def philox_uint32(
     """
     _check_counter(seed, step, stream, offset)
     device = torch.device(device)
-    return _uint32_op(int(numel), "philox", [_signed64(seed)], step, stream, offset, device, _backend.resolve(backend, device))
+    return _uint32_op(
+        int(numel), "philox", [_signed64(seed)], step, stream, offset, device, _backend.resolve(backend, device)
+    )
 
 
 def chacha20_uint32(

@@ -67,8 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta
 from .chacha import box_muller64, chacha20_block
+from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta
 from .philox import MASK32, box_muller, philox4x32_10
 
 # ---------------------------------------------------------------------------------------------
@@ -321,8 +321,9 @@ def _tiles(
     """Tile table: for each tile, its tensor slot and local first element (see the kernel).
 
     Tensor ``t`` covers global elements ``[bases[t], bases[t] + numels[t])``; its tiles start at
-    ``bases[t]`` rounded down to a multiple of ``group`` (the elements of one generator call). Built with tensor ops (a large model has ~10^6
-    tiles); a tensor's tiles are consecutive entries.
+    ``bases[t]`` rounded down to a multiple of ``group`` (the elements of one generator call).
+    Built with tensor ops (a large model has ~10^6 tiles); a tensor's tiles are consecutive
+    entries.
     """
     n = torch.tensor(numels, dtype=torch.int64)
     head = torch.tensor(bases, dtype=torch.int64) % group
@@ -399,7 +400,9 @@ def add_gaussian_noise_(
     return tensors
 
 
-def _chacha_launch(tensors: Sequence[torch.Tensor], std: float, key: int, step: int, stream: int, offset: int, mode: int):
+def _chacha_launch(
+    tensors: Sequence[torch.Tensor], std: float, key: int, step: int, stream: int, offset: int, mode: int
+):
     _check_counter(0, step, stream, offset)
     if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**256:
         raise ValueError(f"key must be an integer in [0, 2^256), got {key!r}")
@@ -420,7 +423,13 @@ def _chacha_launch(tensors: Sequence[torch.Tensor], std: float, key: int, step: 
     for dtype, (ts, bs) in by_dtype.items():
         numels = [x.numel() for x in ts]
         slots, starts = _tiles(numels, bs, block, per_block)
-        handles = (meta.add([x.data_ptr() for x in ts]), meta.add(numels), meta.add(bs), meta.add(slots), meta.add(starts))
+        handles = (
+            meta.add([x.data_ptr() for x in ts]),
+            meta.add(numels),
+            meta.add(bs),
+            meta.add(slots),
+            meta.add(starts),
+        )
         launches.append((dtype, handles, slots.numel()))
     device = tensors[0].device
     meta.finish(device)
