@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .noise import _add_noise, _counter_key, _signed64, _unsigned64
+from .noise import _counter_key, _from_limbs, _limbs, _signed64, _unsigned64
 from .reference import clip as ref
 
 CLIP_MODES = ref.CLIP_MODES
@@ -67,6 +67,11 @@ def _native_kernels():
                 list(noise or []),
             )
         ),
+        privatized_sum_chacha20=lambda grad_sets, weights, coeffs, noise_std, key, step, stream, out_scale: (
+            ops.privatized_sum_chacha20(
+                _flat(grad_sets), list(coeffs), weights, noise_std, _limbs(key), step, stream, out_scale
+            )
+        ),
     )
 
 
@@ -86,6 +91,10 @@ if _backend.has_cpu_kernels():
 
     @torch.library.register_fake("dpkernels_C::privatized_sum")
     def _(grads, coeffs, weights, noise_std, seed, step, stream, out_scale, noise):
+        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
+
+    @torch.library.register_fake("dpkernels_C::privatized_sum_chacha20")
+    def _(grads, coeffs, weights, noise_std, key, step, stream, out_scale):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
 
@@ -212,11 +221,8 @@ def _privatize_op(
     C = max_grad_norm if per_layer else max_grad_norm[0]
     w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
     if rng == "chacha20" and not noise and noise_std > 0:
-        # Secure mode, not fused: S, then S + σCz in float64 rounded once (the chacha20 add-noise
-        # kernel, global index over the parameter list), then the scale (post-processing).
-        sums = kernels.weighted_sum(sets, w, coeffs)
-        _add_noise(sums, noise_std, rng, key, step, stream, 0, backend)
-        return [s.mul_(out_scale) for s in sums]
+        # Secure mode: round(S + σCz) in float64, then the scale, in the pass that writes S.
+        return kernels.privatized_sum_chacha20(sets, w, coeffs, noise_std, _from_limbs(key), step, stream, out_scale)
     seed = _unsigned64(key[0]) if rng == "philox" else 0  # the chacha20 key is unused without noise
     return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
 
@@ -490,8 +496,8 @@ def privatize(
             parameters, added instead of generating; for exact tests and other samplers.
         rng: ``"philox"`` (default; fast, fused into the sum's epilogue, **not cryptographic**) or
             ``"chacha20"`` (secure mode, docs/RNG.md §6: ChaCha20 keystream, float64 Box–Muller,
-            ``S + σCz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``;
-            computed as the weighted sum followed by the ChaCha20 add-noise kernel, not fused).
+            ``S + σCz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``; fused
+            into the same epilogue as Philox).
 
     Returns: one fp32 tensor per parameter, shaped like it.
     """

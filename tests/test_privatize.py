@@ -82,6 +82,20 @@ def test_chacha20_noise_is_the_secure_stream(backend_device):
     assert (flat_t != flat_t1).all()
 
 
+def test_chacha20_fused_equals_sum_then_add_noise(backend_device):
+    """The fused secure epilogue is weighted_sum, then add_gaussian_noise_(rng="chacha20") on the
+    sums (float64 sum, one rounding), then the 1/B scale: the same key gives the same noise."""
+    backend, device = backend_device
+    B, C, sigma = 6, 0.9, 1.1
+    g = _grads(B, device)
+    fused = dpkernels.privatize(g, C, sigma, seed=CHACHA_KEY, step=3, rng="chacha20", backend=backend)
+    weights = dpkernels.clip_factors(dpkernels.per_sample_norms(g, backend=backend), C, backend=backend)
+    sums = dpkernels.weighted_sum(g, weights, backend=backend)
+    dpkernels.add_gaussian_noise_(sums, sigma * C, seed=CHACHA_KEY, step=3, rng="chacha20", backend=backend)
+    for a, s in zip(fused, sums, strict=True):
+        torch.testing.assert_close(a, s * (1.0 / B), rtol=2**-22, atol=1e-7)
+
+
 def test_injected_noise_is_exact(backend_device):
     backend, device = backend_device
     g = _grads(5, device)
