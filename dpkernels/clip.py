@@ -497,7 +497,7 @@ def privatize(
         rng: ``"philox"`` (default; fast, fused into the sum's epilogue, **not cryptographic**) or
             ``"chacha20"`` (secure mode, docs/RNG.md §6: ChaCha20 keystream, float64 Box–Muller,
             ``S + σCz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``; fused
-            into the same epilogue as Philox).
+            into the sum's epilogue as well, on every backend).
 
     Returns: one fp32 tensor per parameter, shaped like it.
     """
