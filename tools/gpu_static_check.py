@@ -149,11 +149,12 @@ def _triton_specs():
             variant = f"{name} k={K}" + (" shift+scale" if shift else "")
             consts = dict(K=K, HAS_SHIFT=shift, HAS_SCALE=shift, ELEM=elem, BLOCK=tk.SUMSQ_BLOCK, ALIGNED=True, VEC=vec)
             specs.append((tk._per_sample_sumsq_kernel, variant, sumsq_sig, consts, tk.SUMSQ_NUM_WARPS))
-        for K, epi in ((1, tk.EPI_NONE), (2, tk.EPI_NONE), (1, tk.EPI_PHILOX)):
+        private = {tk.EPI_PHILOX.value: " private(philox)", tk.EPI_CHACHA.value: " private(chacha20)"}
+        for K, epi in ((1, tk.EPI_NONE), (2, tk.EPI_NONE), (1, tk.EPI_PHILOX), (1, tk.EPI_CHACHA)):
             consts = dict(
                 K=K, ELEM=elem, BLOCK=tk.WSUM_BLOCK, ROWS=tk.WSUM_ROWS, ALIGNED=True, VEC=vec, EPILOGUE=epi.value
             )
-            variant = f"{name} k={K}" + (" private(philox)" if epi.value == tk.EPI_PHILOX.value else "")
+            variant = f"{name} k={K}" + private.get(epi.value, "")
             specs.append((tk._weighted_sum_kernel, variant, wsum_sig, consts, tk.WSUM_NUM_WARPS))
     specs.append((tk._segment_sum_kernel, "fp64", seg_sig, dict(BLOCK=tk.SEGMENT_BLOCK), 4))
     for name in ("fp32", "fp64"):
