@@ -333,3 +333,29 @@ def test_native_ops_validate_the_chacha20_key():
         torch.ops.dpkernels_C.chacha20_uint32_(out, [1, 2, 3], 0, 0, 0)
     with pytest.raises(RuntimeError, match="step must be in"):
         torch.ops.dpkernels_C.chacha20_uint32_(out, [1, 2, 3, 4], -1, 0, 0)
+
+
+def _opcheck(op, args):
+    # test_aot_dispatch_dynamic needs a backward; these ops are not differentiable.
+    results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    assert all(v == "SUCCESS" for v in results.values()), results
+
+
+def test_opcheck_secure_mode_ops(backend_device):
+    """The public ops with rng="chacha20" and the native secure-mode ops pass torch.library.opcheck."""
+    backend, device = backend_device
+    key = noise._limbs(KEY["chacha20"])
+    dev = torch.device(device)
+    ops = torch.ops.dpkernels
+    _opcheck(ops.random_uint32.default, (37, "chacha20", key, 3, 1, 5, dev, backend))
+    _opcheck(ops.gaussian_noise.default, ([5, 7], 1.5, "chacha20", key, 3, 1, 5, torch.bfloat16, dev, backend))
+    tensors = [torch.randn(5, device=device), torch.randn(33, device=device, dtype=torch.float16)]
+    _opcheck(ops.add_gaussian_noise_.default, (tensors, 0.5, "chacha20", key, 3, 1, 5, backend))
+    if backend in ("cpu", "cuda"):
+        native = torch.ops.dpkernels_C
+        g = [torch.randn(5, 7, 3, device=device), torch.randn(5, 11, device=device)]
+        _opcheck(
+            native.privatized_sum_chacha20.default, (g, [1.0], torch.rand(5, 2, device=device), 1.0, key, 3, 1, 0.25)
+        )
+        _opcheck(native.chacha20_add_gaussian_noise_.default, (tensors, 0.5, key, 3, 1, 5))
+        _opcheck(native.chacha20_uint32_.default, (torch.empty(9, dtype=torch.int64, device=device), key, 3, 1, 5))
