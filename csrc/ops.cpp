@@ -23,6 +23,11 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "privatized_sum(Tensor[] grads, float[] coeffs, Tensor weights, float noise_std, int seed, int step, "
       "int stream, float out_scale, Tensor[] noise) -> Tensor[]");
+  // Secure mode (docs/RNG.md §6): round_fp32(S_l + noise_std * z) * out_scale, z the float64 ChaCha20
+  // normal of the global index (key: 4 int64 limbs), the sum formed in float64, in the same pass.
+  m.def(
+      "privatized_sum_chacha20(Tensor[] grads, float[] coeffs, Tensor weights, float noise_std, int[] key, "
+      "int step, int stream, float out_scale) -> Tensor[]");
 
   // Counter-based noise (docs/RNG.md). The 64-bit seed travels as the bits of a signed int.
   // out[i] = Philox word of element offset + i, as int64 in [0, 2^32).
@@ -33,4 +38,13 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "add_gaussian_noise_(Tensor(a!)[] tensors, float std, int seed, int step, int stream, int offset) -> "
       "()");
+  // Secure mode (docs/RNG.md §6): the same three ops with ChaCha20. key: the 256-bit key as 4 int64
+  // limbs, limb j = bits 64j .. 64j + 63. Normals are float64; std * z (+ the element) is rounded once.
+  m.def("chacha20_uint32_(Tensor(a!) out, int[] key, int step, int stream, int offset) -> ()");
+  m.def(
+      "chacha20_gaussian_fill_(Tensor(a!) out, float std, int[] key, int step, int stream, int offset) -> "
+      "()");
+  m.def(
+      "chacha20_add_gaussian_noise_(Tensor(a!)[] tensors, float std, int[] key, int step, int stream, "
+      "int offset) -> ()");
 }

@@ -5,19 +5,21 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
 - :func:`per_sample_norms`, :func:`clip_factors`, :func:`weighted_sum`
 - :func:`clip_and_accumulate`, the fused per-sample clipping pipeline
 - :func:`privatize`, the private gradient ``(Σ c_i g_i + σCz)/B`` with in-pass noise
-- :func:`philox_uint32`, :func:`gaussian_noise`, :func:`add_gaussian_noise_` (docs/RNG.md)
+- :func:`philox_uint32`, :func:`chacha20_uint32`, :func:`gaussian_noise`, :func:`add_gaussian_noise_`
+  (docs/RNG.md; ``rng="chacha20"`` is the secure mode)
 - :func:`available_backends`
 """
 
 from ._backend import BACKENDS, available_backends
 from .clip import CLIP_MODES, clip_and_accumulate, clip_factors, per_sample_norms, privatize, weighted_sum
-from .noise import add_gaussian_noise_, gaussian_noise, philox_uint32
+from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, philox_uint32
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
     "CLIP_MODES",
+    "RNGS",
     "available_backends",
     "clip_and_accumulate",
     "clip_factors",
@@ -25,6 +27,7 @@ __all__ = [
     "privatize",
     "weighted_sum",
     "add_gaussian_noise_",
+    "chacha20_uint32",
     "gaussian_noise",
     "philox_uint32",
 ]

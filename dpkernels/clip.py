@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .noise import _check_counter, _signed64, _unsigned64, fresh_seed
+from .noise import _counter_key, _from_limbs, _limbs, _signed64, _unsigned64
 from .reference import clip as ref
 
 CLIP_MODES = ref.CLIP_MODES
@@ -67,6 +67,11 @@ def _native_kernels():
                 list(noise or []),
             )
         ),
+        privatized_sum_chacha20=lambda grad_sets, weights, coeffs, noise_std, key, step, stream, out_scale: (
+            ops.privatized_sum_chacha20(
+                _flat(grad_sets), list(coeffs), weights, noise_std, _limbs(key), step, stream, out_scale
+            )
+        ),
     )
 
 
@@ -86,6 +91,10 @@ if _backend.has_cpu_kernels():
 
     @torch.library.register_fake("dpkernels_C::privatized_sum")
     def _(grads, coeffs, weights, noise_std, seed, step, stream, out_scale, noise):
+        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
+
+    @torch.library.register_fake("dpkernels_C::privatized_sum_chacha20")
+    def _(grads, coeffs, weights, noise_std, key, step, stream, out_scale):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
 
@@ -193,7 +202,8 @@ def _privatize_op(
     coeffs: list[float],
     max_grad_norm: list[float],
     noise_std: float,
-    seed: int,
+    rng: str,
+    key: list[int],
     step: int,
     stream: int,
     out_scale: float,
@@ -210,11 +220,15 @@ def _privatize_op(
     sets = _unflatten(grads, len(coeffs))
     C = max_grad_norm if per_layer else max_grad_norm[0]
     w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
-    return kernels.privatized_sum(sets, w, coeffs, noise_std, _unsigned64(seed), step, stream, out_scale, noise or None)
+    if rng == "chacha20" and not noise and noise_std > 0:
+        # Secure mode: round(S + σCz) in float64, then the scale, in the pass that writes S.
+        return kernels.privatized_sum_chacha20(sets, w, coeffs, noise_std, _from_limbs(key), step, stream, out_scale)
+    seed = _unsigned64(key[0]) if rng == "philox" else 0  # the chacha20 key is unused without noise
+    return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
 
 
 @_privatize_op.register_fake
-def _(grads, coeffs, max_grad_norm, noise_std, seed, step, stream, out_scale, mode, r, shift, scale, *rest):
+def _(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale, *rest):
     L = len(grads) // len(coeffs)
     return [g.new_empty(g.shape[1:], dtype=_out_dtype(grads)) for g in grads[:L]]
 
@@ -459,6 +473,7 @@ def privatize(
     expected_batch_size: int | None = None,
     noise=None,
     nonfinite: str = "raise",
+    rng: str = "philox",
     backend: str = "auto",
 ) -> list[Tensor]:
     """The private gradient per parameter: ``(Σ_i c_i v_i + σ·C·z) / B``, fused.
@@ -471,13 +486,18 @@ def privatize(
 
     Args:
         noise_multiplier: ``σ``. The sum has add/remove sensitivity ``C`` for every clip mode.
-        seed: 64-bit Philox key; ``None`` draws a fresh one from the OS CSPRNG (reproducible runs
-            must pass and store it). ``step`` must differ between steps, or the noise repeats.
+        seed: the generator's key: 64-bit for Philox, 256-bit (int or 32 bytes) for ChaCha20;
+            ``None`` draws a fresh one from the OS CSPRNG (reproducible runs must pass and store
+            it). ``step`` must differ between steps, or the noise repeats.
         expected_batch_size: ``B`` for the mean (Opacus: the expected batch size under Poisson
             sampling). ``None`` divides by the realised batch size, which is not private under
             Poisson sampling: pass it for DP training.
         noise: a pre-drawn list of noise tensors (already scaled: ``σ·C·z``) shaped like the
             parameters, added instead of generating; for exact tests and other samplers.
+        rng: ``"philox"`` (default; fast, fused into the sum's epilogue, **not cryptographic**) or
+            ``"chacha20"`` (secure mode, docs/RNG.md §6: ChaCha20 keystream, float64 Box–Muller,
+            ``S + σCz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``; fused
+            into the sum's epilogue as well, on every backend).
 
     Returns: one fp32 tensor per parameter, shaped like it.
     """
@@ -489,14 +509,13 @@ def privatize(
         raise ValueError(
             f"expected_batch_size must be a positive int, got {expected_batch_size!r} (batch size {batch.B})"
         )
-    seed = fresh_seed() if seed is None else seed
-    _check_counter(seed, step, stream, 0)
+    key = _counter_key(rng, seed, step, stream, 0)
     noise_v = []
     if noise is not None:
         noise_v = _prepare_vectors(noise, batch, "noise")
     sensitivity = math.sqrt(sum(c * c for c in C)) if per_layer else C[0]
     return _privatize_op(
-        batch.grads, batch.coeffs, C, float(noise_multiplier) * sensitivity, _signed64(seed), step, stream,
+        batch.grads, batch.coeffs, C, float(noise_multiplier) * sensitivity, rng, key, step, stream,
         1.0 / B, mode, r, _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale"),
         bool(per_layer), noise_v, nonfinite, backend,
     )  # fmt: skip

@@ -1,13 +1,21 @@
 """Counter-based Gaussian noise, bit-identical words on every backend (spec: docs/RNG.md).
 
-Philox4x32-10 keyed by a 64-bit ``seed``, counter = (element block, ``step``, ``stream``), with
-the element index running over the **global flat index** of a tensor list. The noise for an
-element therefore does not depend on how tensors are grouped, chunked or launched, and
-``(seed, step, stream, index)`` names each draw exactly once.
+Two generators, selected with ``rng=``; both are counter-based, with counter = (element block,
+``step``, ``stream``) and the element index running over the **global flat index** of a tensor
+list, so the noise of an element does not depend on how tensors are grouped, chunked or
+launched, and ``(key, step, stream, index)`` names each draw exactly once.
 
-Philox is a fast statistical generator, **not** a cryptographic one: whoever knows the seed can
-reproduce the noise. Seeds default to a fresh 64-bit value from the OS CSPRNG; pass a fixed seed
-only for reproducibility.
+- ``rng="philox"`` (default): Philox4x32-10 keyed by a 64-bit ``seed``, fp32 Box–Muller. A fast
+  statistical generator, **not** a cryptographic one: whoever knows or guesses the seed can
+  reproduce the noise, and Philox is not designed against adversaries.
+- ``rng="chacha20"`` (secure mode, docs/RNG.md §6): the ChaCha20 stream cipher (RFC 8439, 20
+  rounds) keyed by a 256-bit ``seed``, 53-bit uniforms, float64 Box–Muller, the noised value
+  formed in float64 and rounded once to the output dtype. A CSPRNG while the key is secret and
+  fresh; it narrows but does not close the floating-point attacks of Mironov (CCS 2012), for
+  which the snapping mechanism or a discrete Gaussian are the rigorous fixes.
+
+Seeds default to a fresh value of the generator's key size from the OS CSPRNG (``secrets``);
+pass a fixed seed only for reproducibility, and keep it as secret as the data.
 """
 
 from __future__ import annotations
@@ -50,6 +58,54 @@ def _check_counter(seed, step, stream, offset) -> None:
             raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
 
 
+RNGS = ("philox", "chacha20")
+
+
+def fresh_key() -> int:
+    """A 256-bit ChaCha20 key from the operating system's CSPRNG."""
+    return secrets.randbits(256)
+
+
+def _check_rng(rng) -> str:
+    if rng not in RNGS:
+        raise ValueError(f"rng must be one of {RNGS}, got {rng!r}")
+    return rng
+
+
+def chacha20_key(seed) -> int:
+    """A ChaCha20 key as an int in [0, 2^256): an int in that range, or 32 bytes (little-endian,
+    RFC 8439's byte order: key word i is bytes 4i .. 4i + 3)."""
+    if isinstance(seed, (bytes, bytearray)):
+        if len(seed) != 32:
+            raise ValueError(f"a ChaCha20 key given as bytes must be 32 bytes long, got {len(seed)}")
+        return int.from_bytes(seed, "little")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**256:
+        raise ValueError(f"seed must be an integer in [0, 2^256) or 32 bytes for rng='chacha20', got {seed!r}")
+    return seed
+
+
+def _limbs(key: int) -> list[int]:
+    """The 256-bit key as 4 signed int64 limbs (limb j = bits 64j .. 64j + 63), for op schemas."""
+    return [_signed64((key >> (64 * j)) % 2**64) for j in range(4)]
+
+
+def _from_limbs(limbs: list[int]) -> int:
+    return sum(_unsigned64(v) << (64 * j) for j, v in enumerate(limbs))
+
+
+def _counter_key(rng: str, seed, step: int, stream: int, offset: int) -> list[int]:
+    """Validate the counter fields and return the schema key: ``[seed]`` or 4 ChaCha20 limbs.
+    ``seed=None`` draws a fresh key of the generator's size from the OS CSPRNG."""
+    _check_rng(rng)
+    if rng == "chacha20":
+        key = fresh_key() if seed is None else chacha20_key(seed)
+        _check_counter(0, step, stream, offset)
+        return _limbs(key)
+    seed = fresh_seed() if seed is None else seed
+    _check_counter(seed, step, stream, offset)
+    return [_signed64(seed)]
+
+
 def _check_std(std) -> float:
     if not isinstance(std, (int, float)) or isinstance(std, bool) or not math.isfinite(std) or std < 0:
         raise ValueError(f"std must be a finite number >= 0, got {std!r}")
@@ -67,8 +123,20 @@ def _triton():
     return triton_noise
 
 
-def _words(out: Tensor, seed: int, step: int, stream: int, offset: int, backend: str) -> None:
-    seed = _unsigned64(seed)
+def _words(out: Tensor, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str) -> None:
+    """``key``: ``[seed]`` (Philox, signed 64-bit) or the 4 signed limbs of a ChaCha20 key."""
+    if rng == "chacha20":
+        if backend == "reference":
+            words = ref.chacha20_uint32(
+                out.numel(), key=_from_limbs(key), step=step, stream=stream, offset=offset, device=out.device
+            )
+            out.copy_(words)
+        elif backend == "triton":
+            _triton().chacha20_uint32_(out, _from_limbs(key), step, stream, offset)
+        else:
+            torch.ops.dpkernels_C.chacha20_uint32_(out, key, step, stream, offset)
+        return
+    seed = _unsigned64(key[0])
     if backend == "reference":
         out.copy_(ref.philox_uint32(out.numel(), seed=seed, step=step, stream=stream, offset=offset, device=out.device))
     elif backend == "triton":
@@ -77,64 +145,85 @@ def _words(out: Tensor, seed: int, step: int, stream: int, offset: int, backend:
         torch.ops.dpkernels_C.philox_uint32_(out, _signed64(seed), step, stream, offset)
 
 
-def _add_noise(tensors: list[Tensor], std: float, seed: int, step: int, stream: int, offset: int, backend: str) -> None:
-    seed = _unsigned64(seed)
+def _reference_normals(numel: int, rng: str, key: list[int], step: int, stream: int, offset: int, device) -> Tensor:
+    if rng == "chacha20":
+        return ref.chacha20_standard_normal(
+            numel, key=_from_limbs(key), step=step, stream=stream, offset=offset, device=device
+        )
+    return ref.standard_normal(numel, seed=_unsigned64(key[0]), step=step, stream=stream, offset=offset, device=device)
+
+
+def _add_noise(
+    tensors: list[Tensor], std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str
+) -> None:
     if backend == "reference":
         total = sum(t.numel() for t in tensors)
-        z = ref.standard_normal(total, seed=seed, step=step, stream=stream, offset=offset, device=tensors[0].device)
+        z = _reference_normals(total, rng, key, step, stream, offset, tensors[0].device)
         for t, part in zip(tensors, torch.split(z, [t.numel() for t in tensors]), strict=True):
-            t.copy_((t.float() + std * part.view_as(t)).to(t.dtype))
+            if rng == "chacha20":  # float64 sum, one rounding
+                t.copy_(ref.round_once(t.double() + std * part.view_as(t), t.dtype))
+            else:
+                t.copy_((t.float() + std * part.view_as(t)).to(t.dtype))
+    elif rng == "chacha20":
+        if backend == "triton":
+            _triton().chacha20_add_gaussian_noise_(tensors, std, _from_limbs(key), step, stream, offset)
+        else:
+            torch.ops.dpkernels_C.chacha20_add_gaussian_noise_(tensors, std, key, step, stream, offset)
     elif backend == "triton":
-        _triton().add_gaussian_noise_(tensors, std, seed, step, stream, offset)
+        _triton().add_gaussian_noise_(tensors, std, _unsigned64(key[0]), step, stream, offset)
     else:
-        torch.ops.dpkernels_C.add_gaussian_noise_(tensors, std, _signed64(seed), step, stream, offset)
+        torch.ops.dpkernels_C.add_gaussian_noise_(tensors, std, key[0], step, stream, offset)
 
 
-def _fill(out: Tensor, std: float, seed: int, step: int, stream: int, offset: int, backend: str) -> None:
-    seed = _unsigned64(seed)
+def _fill(out: Tensor, std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str) -> None:
     if backend == "reference":
-        z = ref.standard_normal(out.numel(), seed=seed, step=step, stream=stream, offset=offset, device=out.device)
-        out.copy_((std * z).view_as(out))
+        z = _reference_normals(out.numel(), rng, key, step, stream, offset, out.device)
+        out.copy_(ref.round_once(std * z, out.dtype).view_as(out) if rng == "chacha20" else (std * z).view_as(out))
+    elif rng == "chacha20":
+        if backend == "triton":
+            _triton().chacha20_gaussian_fill_(out, std, _from_limbs(key), step, stream, offset)
+        else:
+            torch.ops.dpkernels_C.chacha20_gaussian_fill_(out, std, key, step, stream, offset)
     elif backend == "triton":
-        _triton().gaussian_fill_(out, std, seed, step, stream, offset)
+        _triton().gaussian_fill_(out, std, _unsigned64(key[0]), step, stream, offset)
     else:
-        torch.ops.dpkernels_C.gaussian_fill_(out, std, _signed64(seed), step, stream, offset)
+        torch.ops.dpkernels_C.gaussian_fill_(out, std, key[0], step, stream, offset)
 
 
-@torch.library.custom_op("dpkernels::philox_uint32", mutates_args=())
-def _philox_uint32_op(
-    numel: int, seed: int, step: int, stream: int, offset: int, device: torch.device, backend: str
+@torch.library.custom_op("dpkernels::random_uint32", mutates_args=())
+def _uint32_op(
+    numel: int, rng: str, key: list[int], step: int, stream: int, offset: int, device: torch.device, backend: str
 ) -> Tensor:
     out = torch.empty(numel, dtype=torch.int64, device=device)
-    _words(out, seed, step, stream, offset, backend)
+    _words(out, rng, key, step, stream, offset, backend)
     return out
 
 
-@_philox_uint32_op.register_fake
-def _(numel, seed, step, stream, offset, device, backend):
+@_uint32_op.register_fake
+def _(numel, rng, key, step, stream, offset, device, backend):
     return torch.empty(numel, dtype=torch.int64, device=device)
 
 
 @torch.library.custom_op("dpkernels::gaussian_noise", mutates_args=())
 def _gaussian_noise_op(
-    shape: list[int], std: float, seed: int, step: int, stream: int, offset: int, dtype: torch.dtype,
-    device: torch.device, backend: str,
+    shape: list[int], std: float, rng: str, key: list[int], step: int, stream: int, offset: int,
+    dtype: torch.dtype, device: torch.device, backend: str,
 ) -> Tensor:  # fmt: skip
     out = torch.empty(shape, dtype=dtype, device=device)
-    _fill(out, std, seed, step, stream, offset, backend)
+    _fill(out, std, rng, key, step, stream, offset, backend)
     return out
 
 
 @_gaussian_noise_op.register_fake
-def _(shape, std, seed, step, stream, offset, dtype, device, backend):
+def _(shape, std, rng, key, step, stream, offset, dtype, device, backend):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("dpkernels::add_gaussian_noise_", mutates_args=("tensors",))
 def _add_gaussian_noise_op(
-    tensors: list[Tensor], std: float, seed: int, step: int, stream: int, offset: int, backend: str
+    tensors: list[Tensor], std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str
 ) -> None:
-    _add_noise(tensors, std, seed, step, stream, offset, backend)
+    _add_noise(tensors, std, rng, key, step, stream, offset, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,27 +240,44 @@ def philox_uint32(
     """
     _check_counter(seed, step, stream, offset)
     device = torch.device(device)
-    return _philox_uint32_op(
-        int(numel), _signed64(seed), step, stream, offset, device, _backend.resolve(backend, device)
+    return _uint32_op(
+        int(numel), "philox", [_signed64(seed)], step, stream, offset, device, _backend.resolve(backend, device)
     )
+
+
+def chacha20_uint32(
+    numel: int, *, seed, step: int, stream: int = 0, offset: int = 0, device="cpu", backend: str = "auto"
+) -> Tensor:
+    """The raw ChaCha20 keystream words of elements ``[offset, offset + numel)``: int64 ``[numel]``.
+
+    ``seed``: the 256-bit key, an int in [0, 2²⁵⁶) or 32 bytes (RFC 8439 byte order). Element ``e``
+    takes word ``e % 16`` of block ``e // 16`` (docs/RNG.md §6); bit-identical on every backend.
+    """
+    key = _counter_key("chacha20", seed, step, stream, offset)
+    device = torch.device(device)
+    return _uint32_op(int(numel), "chacha20", key, step, stream, offset, device, _backend.resolve(backend, device))
 
 
 def gaussian_noise(
     numel_or_shape,
     *,
     std: float,
-    seed: int | None = None,
+    seed=None,
     step: int,
     stream: int = 0,
     offset: int = 0,
     dtype: torch.dtype = torch.float32,
     device="cpu",
+    rng: str = "philox",
     backend: str = "auto",
 ) -> Tensor:
     """``std · z`` for elements ``[offset, offset + numel)`` of the noise stream, ``z ~ N(0, 1)``.
 
-    Computed in fp32 and rounded once to ``dtype`` (fp32, fp16 or bf16). ``seed=None`` draws a
-    fresh seed from the OS CSPRNG.
+    ``rng="philox"`` (default, fast, **not cryptographic**): 64-bit ``seed``, computed in fp32 and
+    rounded once to ``dtype``. ``rng="chacha20"`` (secure mode, docs/RNG.md §6): ChaCha20 keyed
+    by a 256-bit ``seed`` (int or 32 bytes), 53-bit uniforms, float64 Box–Muller, ``std · z``
+    formed in float64 and rounded once to ``dtype``. ``seed=None`` draws a fresh key of the
+    generator's size from the OS CSPRNG. ``dtype``: fp32, fp16 or bf16.
     """
     shape = [numel_or_shape] if isinstance(numel_or_shape, int) else [int(n) for n in numel_or_shape]
     if any(n < 0 for n in shape):
@@ -179,34 +285,34 @@ def gaussian_noise(
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
     std = _check_std(std)
-    seed = fresh_seed() if seed is None else seed
-    _check_counter(seed, step, stream, offset)
+    key = _counter_key(rng, seed, step, stream, offset)
     device = torch.device(device)
     backend = _backend.resolve(backend, device)
-    return _gaussian_noise_op(shape, std, _signed64(seed), step, stream, offset, dtype, device, backend)
+    return _gaussian_noise_op(shape, std, rng, key, step, stream, offset, dtype, device, backend)
 
 
 def add_gaussian_noise_(
     tensors: Sequence[Tensor],
     std: float,
     *,
-    seed: int | None = None,
+    seed=None,
     step: int,
     stream: int = 0,
     offset: int = 0,
+    rng: str = "philox",
     backend: str = "auto",
 ) -> list[Tensor]:
     """In place: ``tensors[t] += std · z`` with global offsets running across the list.
 
     Element ``i`` of ``tensors[t]`` takes the draw at ``offset + Σ_{s<t} numel(tensors[s]) + i``,
     so the noise of a list equals the noise of its concatenation. Tensors must be contiguous,
-    fp32/fp16/bf16, on one device; the sum is formed in fp32 and rounded once.
+    fp32/fp16/bf16, on one device. ``rng="philox"``: the sum is formed in fp32 and rounded once;
+    ``rng="chacha20"`` (secure mode, 256-bit ``seed``): formed in float64 and rounded once.
     """
     if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence) or len(tensors) == 0:
         raise TypeError("tensors must be a non-empty list of tensors")
     std = _check_std(std)
-    seed = fresh_seed() if seed is None else seed
-    _check_counter(seed, step, stream, offset)
+    key = _counter_key(rng, seed, step, stream, offset)
     device = tensors[0].device
     for idx, t in enumerate(tensors):
         if not isinstance(t, Tensor) or t.dtype not in _FLOAT_DTYPES:
@@ -215,5 +321,5 @@ def add_gaussian_noise_(
             raise ValueError(f"tensors[{idx}] is on {t.device} but tensors[0] is on {device}")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{idx}] must be contiguous (noise is written in place)")
-    _add_gaussian_noise_op(list(tensors), std, _signed64(seed), step, stream, offset, _backend.resolve(backend, device))
+    _add_gaussian_noise_op(list(tensors), std, rng, key, step, stream, offset, _backend.resolve(backend, device))
     return list(tensors)

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = (80, 90)
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
-NOISE_KERNELS = ("_noise_kernel",)
+NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -149,11 +149,12 @@ def _triton_specs():
             variant = f"{name} k={K}" + (" shift+scale" if shift else "")
             consts = dict(K=K, HAS_SHIFT=shift, HAS_SCALE=shift, ELEM=elem, BLOCK=tk.SUMSQ_BLOCK, ALIGNED=True, VEC=vec)
             specs.append((tk._per_sample_sumsq_kernel, variant, sumsq_sig, consts, tk.SUMSQ_NUM_WARPS))
-        for K, epi in ((1, tk.EPI_NONE), (2, tk.EPI_NONE), (1, tk.EPI_PHILOX)):
+        private = {tk.EPI_PHILOX.value: " private(philox)", tk.EPI_CHACHA.value: " private(chacha20)"}
+        for K, epi in ((1, tk.EPI_NONE), (2, tk.EPI_NONE), (1, tk.EPI_PHILOX), (1, tk.EPI_CHACHA)):
             consts = dict(
                 K=K, ELEM=elem, BLOCK=tk.WSUM_BLOCK, ROWS=tk.WSUM_ROWS, ALIGNED=True, VEC=vec, EPILOGUE=epi.value
             )
-            variant = f"{name} k={K}" + (" private(philox)" if epi.value == tk.EPI_PHILOX.value else "")
+            variant = f"{name} k={K}" + private.get(epi.value, "")
             specs.append((tk._weighted_sum_kernel, variant, wsum_sig, consts, tk.WSUM_NUM_WARPS))
     specs.append((tk._segment_sum_kernel, "fp64", seg_sig, dict(BLOCK=tk.SEGMENT_BLOCK), 4))
     for name in ("fp32", "fp64"):
@@ -173,6 +174,17 @@ def _triton_specs():
         vec = 128 // elem.primitive_bitwidth  # elements per 128-bit vector
         consts = dict(MODE=mode, ELEM=elem, BLOCK=tn.NOISE_BLOCK, ALIGNED=aligned, VEC=vec)
         specs.append((tn._noise_kernel, variant, noise_sig, consts, tn.NOISE_NUM_WARPS))
+
+    # Secure mode (ChaCha20, float64 Box-Muller): masked accesses only, so no 128-bit requirement;
+    # no local memory (libdevice cospi/sinpi have no Payne-Hanek slow path), no spills.
+    chacha_sig = {n: "*i64" for n in ("ptrs", "numels", "bases", "tile_slot", "tile_start", "key")}
+    chacha_variants = [("chacha20 words int64", tn.MODE_WORDS, tl.int64, 16)]
+    for name, elem in (("fp32", tl.float32), ("bf16", tl.bfloat16), ("fp16", tl.float16)):
+        chacha_variants.append((f"chacha20 fill {name}", tn.MODE_FILL, elem, 8))
+        chacha_variants.append((f"chacha20 add {name}", tn.MODE_ADD, elem, 8))
+    for variant, mode, elem, per_block in chacha_variants:
+        consts = dict(MODE=mode, ELEM=elem, BLOCK=per_block * tn.CHACHA_BLOCKS)
+        specs.append((tn._chacha_kernel, variant, chacha_sig, consts, tn.CHACHA_NUM_WARPS))
     return specs
 
 

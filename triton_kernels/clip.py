@@ -43,10 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .chacha import box_muller64, chacha20_block
 from .philox import MASK32, box_muller, philox4x32_10
 
 #: Epilogues of the weighted-sum kernel: S, S·scale, (S + pre-drawn ν)·scale, (S + std·z)·scale.
 EPI_NONE, EPI_SCALE, EPI_NOISE, EPI_PHILOX = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+EPI_CHACHA = tl.constexpr(4)
 
 # ---------------------------------------------------------------------------------------------
 # Launch constants. Element counts are multiples of 8, so a block splits into whole 128-bit
@@ -264,7 +266,9 @@ def _weighted_sum_kernel(
     result): ``EPI_NONE`` stores ``S``; ``EPI_SCALE`` stores ``S·scale``; ``EPI_NOISE`` stores
     ``(S + ν)·scale`` with ``ν`` read from ``noise_ptrs[t]`` (fp32, pre-drawn); ``EPI_PHILOX``
     stores ``(S + std·z(g))·scale`` with ``g = bases[t] + e`` the global element index and ``key``
-    = int64 (seed low, seed high, step, stream).
+    = int64 (seed low, seed high, step, stream); ``EPI_CHACHA`` (secure mode, docs/RNG.md §6)
+    stores ``fp32(S + std·z(g))·scale`` with the float64 ChaCha20 normal ``z``, the sum formed
+    in float64, ``key`` = int64 (eight key words, step, stream, bits of the float64 ``std``).
 
     Grid ``(num_chunks,)``; each program walks all ``B`` rows of its chunk, accumulates in fp32
     and stores once (no atomics, deterministic). ``grad_ptrs``: int64 ``[K·T]`` as in
@@ -324,6 +328,20 @@ def _weighted_sum_kernel(
         z_first, z_second = box_muller(tl.where(word < 2, w0, w2), tl.where(word < 2, w1, w3))
         z = tl.where((word & 1) == 1, z_second, z_first)
         acc = (acc + std * z) * scale
+    elif EPILOGUE == EPI_CHACHA:
+        # One ChaCha20 block per element (block g // 8, pair (g % 8) // 2): 8x the block work of
+        # the noise kernels, correct for any parameter offset, and it keeps the noise in registers.
+        g = tl.load(bases + t) + idx
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = chacha20_block(g >> 3, key)
+        pair = (g >> 1) & 3
+        a_lo = tl.where(pair == 0, x0, tl.where(pair == 1, x4, tl.where(pair == 2, x8, x12)))
+        a_hi = tl.where(pair == 0, x1, tl.where(pair == 1, x5, tl.where(pair == 2, x9, x13)))
+        b_lo = tl.where(pair == 0, x2, tl.where(pair == 1, x6, tl.where(pair == 2, x10, x14)))
+        b_hi = tl.where(pair == 0, x3, tl.where(pair == 1, x7, tl.where(pair == 2, x11, x15)))
+        z_first, z_second = box_muller64(a_lo, a_hi, b_lo, b_hi)
+        z = tl.where((g & 1) == 1, z_second, z_first)
+        std64 = tl.load(key + 10).to(tl.float64, bitcast=True)
+        acc = (acc.to(tl.float64) + std64 * z).to(tl.float32) * scale
     elif EPILOGUE == EPI_SCALE:
         acc = acc * scale
     tl.store(_typed_ptr(out_ptrs, t, tl.float32, ALIGNED) + idx, acc, mask=col_mask)
@@ -617,6 +635,23 @@ def privatized_sum(
         key = [seed & 0xFFFFFFFF, seed >> 32, step, stream]
         return _weighted_sum(grad_sets, weights, coeffs, EPI_PHILOX, key=key, std=noise_std, scale=out_scale)
     return _weighted_sum(grad_sets, weights, coeffs, EPI_SCALE, scale=out_scale)
+
+
+def privatized_sum_chacha20(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    weights: torch.Tensor,
+    coeffs: Sequence[float],
+    noise_std: float,
+    key: int,
+    step: int,
+    stream: int,
+    out_scale: float,
+) -> list[torch.Tensor]:
+    """Secure mode: ``fp32(S^(l) + noise_std·z)·out_scale`` with the float64 ChaCha20 normal ``z``
+    (docs/RNG.md §6; ``key`` the 256-bit int), generated in the kernel that writes the result."""
+    words = [(key >> (32 * i)) & 0xFFFFFFFF for i in range(8)]
+    std_bits = struct.unpack("<q", struct.pack("<d", float(noise_std)))[0]
+    return _weighted_sum(grad_sets, weights, coeffs, EPI_CHACHA, key=[*words, step, stream, std_bits], scale=out_scale)
 
 
 def _weighted_sum(grad_sets, weights, coeffs, epilogue, noise=None, key=None, std=0.0, scale=1.0):

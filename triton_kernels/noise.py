@@ -59,6 +59,7 @@ Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -66,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chacha import box_muller64, chacha20_block
 from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta
 from .philox import MASK32, box_muller, philox4x32_10
 
@@ -81,6 +83,12 @@ NOISE_NUM_WARPS = 8
 #: Under the interpreter a program costs ~300 interpreted tensor ops (~50 ms) whatever its size,
 #: so tiles are much larger there; the results do not depend on the tile size.
 INTERPRETER_NOISE_BLOCK = 1 << 16
+
+#: ChaCha20 blocks per program of ``_chacha_kernel`` (one per GPU thread at 4 warps): a tile is
+#: ``16 ·`` that many words or ``8 ·`` that many normals.
+CHACHA_BLOCKS = 128
+CHACHA_NUM_WARPS = 4
+INTERPRETER_CHACHA_BLOCKS = 1 << 12
 
 #: Kernel modes: raw words to int64, ``out = std·z``, ``x += std·z``.
 MODE_WORDS, MODE_FILL, MODE_ADD = 0, 1, 2
@@ -176,6 +184,78 @@ def _noise_kernel(
         tl.store(p + idx, _round_to(v, ELEM), mask=mask)
 
 
+@triton.jit
+def _round_once(v, dtype: tl.constexpr):
+    """float64 ``v`` rounded once to ``dtype``: directly to fp32; to fp16/bf16 through fp32 with
+    round-to-odd (truncate, set the last bit when inexact), which then rounds like one rounding
+    of ``v`` (fp32 has >= 13 more significand bits; Boldo & Melquiond 2008)."""
+    f = v.to(tl.float32)
+    if dtype == tl.float32:
+        return f
+    else:
+        bits = f.to(tl.uint32, bitcast=True)
+        bits = tl.where(tl.abs(f.to(tl.float64)) > tl.abs(v), bits - 1, bits)  # toward zero
+        bits = tl.where(bits.to(tl.float32, bitcast=True).to(tl.float64) != v, bits | 1, bits)
+        return _round_to(bits.to(tl.float32, bitcast=True), dtype)
+
+
+@triton.jit
+def _interleave8(z0, z1, z2, z3, z4, z5, z6, z7):
+    """``[N, 2, 2, 2]`` with ``[b, i, j, k] = z_{4i+2j+k}``: row-major order is element order."""
+    return tl.join(tl.join(tl.join(z0, z4), tl.join(z2, z6)), tl.join(tl.join(z1, z5), tl.join(z3, z7)))
+
+
+@triton.jit
+def _chacha_kernel(
+    ptrs,
+    numels,
+    bases,
+    tile_slot,
+    tile_start,
+    key,
+    MODE: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Secure mode (docs/RNG.md §6): one tile of ``BLOCK`` elements of tensor ``t``.
+
+    Same tile table as ``_noise_kernel`` with tiles aligned to whole ChaCha20 groups in the
+    global index: 16 elements per block for ``MODE_WORDS`` (element ``e`` takes word ``e % 16`` of
+    block ``e // 16``), 8 for the normals (normal ``e % 8`` of block ``e // 8``). ``key``: int64
+    ``[11]`` = the eight key words, step, stream, and the bits of the float64 ``std``.
+    ``MODE_FILL`` stores ``std·z`` and ``MODE_ADD`` adds it to the element, in float64, rounded
+    once to ``ELEM``.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(tile_slot + pid)
+    start = tl.load(tile_start + pid)
+    n = tl.load(numels + t)
+    base = tl.load(bases + t)
+    idx = start + tl.arange(0, BLOCK)
+    mask = (idx >= 0) & (idx < n)
+    p = tl.load(ptrs + t).to(tl.pointer_type(ELEM))
+    if MODE == 0:
+        blocks = ((base + start) >> 4) + tl.arange(0, BLOCK // 16)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = chacha20_block(blocks, key)
+        # [b, i, j, k, l] = x_{8i+4j+2k+l}: element order.
+        words = tl.join(
+            _interleave8(x0, x2, x4, x6, x8, x10, x12, x14), _interleave8(x1, x3, x5, x7, x9, x11, x13, x15)
+        )
+        tl.store(p + idx, tl.reshape(words, [BLOCK]).to(tl.int64), mask=mask)
+    else:
+        blocks = ((base + start) >> 3) + tl.arange(0, BLOCK // 8)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = chacha20_block(blocks, key)
+        z0, z1 = box_muller64(x0, x1, x2, x3)
+        z2, z3 = box_muller64(x4, x5, x6, x7)
+        z4, z5 = box_muller64(x8, x9, x10, x11)
+        z6, z7 = box_muller64(x12, x13, x14, x15)
+        std = tl.load(key + 10).to(tl.float64, bitcast=True)
+        v = std * tl.reshape(_interleave8(z0, z1, z2, z3, z4, z5, z6, z7), [BLOCK])
+        if MODE == 2:
+            v += tl.load(p + idx, mask=mask, other=0.0).to(tl.float64)
+        tl.store(p + idx, _round_once(v, ELEM), mask=mask)
+
+
 # =============================================================================================
 # Host side
 # =============================================================================================
@@ -235,15 +315,18 @@ def _groups(tensors: Sequence[torch.Tensor], offset: int) -> list[_Group]:
     return list(by_key.values())
 
 
-def _tiles(numels: Sequence[int], bases: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tiles(
+    numels: Sequence[int], bases: Sequence[int], block: int, group: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile table: for each tile, its tensor slot and local first element (see the kernel).
 
     Tensor ``t`` covers global elements ``[bases[t], bases[t] + numels[t])``; its tiles start at
-    ``bases[t]`` rounded down to a multiple of 4. Built with tensor ops (a large model has ~10^6
-    tiles); a tensor's tiles are consecutive entries.
+    ``bases[t]`` rounded down to a multiple of ``group`` (the elements of one generator call).
+    Built with tensor ops (a large model has ~10^6 tiles); a tensor's tiles are consecutive
+    entries.
     """
     n = torch.tensor(numels, dtype=torch.int64)
-    head = torch.tensor(bases, dtype=torch.int64) % 4
+    head = torch.tensor(bases, dtype=torch.int64) % group
     counts = (n + head + block - 1) // block
     slots = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
     first = torch.cumsum(counts, 0) - counts
@@ -314,4 +397,73 @@ def add_gaussian_noise_(
         return tensors
     _check(tensors, _TL_DTYPES, "tensors")
     _launch(tensors, std, _check_counter(seed, step, stream, offset), offset, MODE_ADD)
+    return tensors
+
+
+def _chacha_launch(
+    tensors: Sequence[torch.Tensor], std: float, key: int, step: int, stream: int, offset: int, mode: int
+):
+    _check_counter(0, step, stream, offset)
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**256:
+        raise ValueError(f"key must be an integer in [0, 2^256), got {key!r}")
+    groups = _groups(tensors, offset)
+    if not groups:
+        return
+    per_block = 16 if mode == MODE_WORDS else 8
+    block = per_block * (INTERPRETER_CHACHA_BLOCKS if _interpreting() else CHACHA_BLOCKS)
+    meta = _Meta()
+    std_bits = struct.unpack("<q", struct.pack("<d", float(std)))[0]
+    key_h = meta.add([(key >> (32 * i)) & 0xFFFFFFFF for i in range(8)] + [step, stream, std_bits])
+    launches = []
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for grp in groups:  # alignment does not matter here: one launch per dtype
+        ts, bs = by_dtype.setdefault(grp.dtype, ([], []))
+        ts += grp.tensors
+        bs += grp.bases
+    for dtype, (ts, bs) in by_dtype.items():
+        numels = [x.numel() for x in ts]
+        slots, starts = _tiles(numels, bs, block, per_block)
+        handles = (
+            meta.add([x.data_ptr() for x in ts]),
+            meta.add(numels),
+            meta.add(bs),
+            meta.add(slots),
+            meta.add(starts),
+        )
+        launches.append((dtype, handles, slots.numel()))
+    device = tensors[0].device
+    meta.finish(device)
+    with _device_guard(device):
+        for dtype, h, n_tiles in launches:
+            _chacha_kernel[(n_tiles,)](
+                *(meta[x] for x in h), meta[key_h], MODE=mode, ELEM=_ALL_DTYPES[dtype], BLOCK=block,
+                num_warps=CHACHA_NUM_WARPS,
+            )  # fmt: skip
+
+
+def chacha20_uint32_(out: torch.Tensor, key: int, step: int, stream: int = 0, offset: int = 0) -> torch.Tensor:
+    """``out[i]`` = the ChaCha20 word of element ``offset + i``; ``key``: 256-bit int; ``out``: int64."""
+    _check([out], (_WORDS_DTYPE,), "out")
+    _chacha_launch([out], 0.0, key, step, stream, offset, MODE_WORDS)
+    return out
+
+
+def chacha20_gaussian_fill_(
+    out: torch.Tensor, std: float, key: int, step: int, stream: int = 0, offset: int = 0
+) -> torch.Tensor:
+    """``out[i] = std · z(offset + i)``, ChaCha20 normals, float64, rounded once to ``out``'s dtype."""
+    _check([out], _TL_DTYPES, "out")
+    _chacha_launch([out], std, key, step, stream, offset, MODE_FILL)
+    return out
+
+
+def chacha20_add_gaussian_noise_(
+    tensors: Sequence[torch.Tensor], std: float, key: int, step: int, stream: int = 0, offset: int = 0
+) -> list[torch.Tensor]:
+    """In place, secure mode: ``tensors[t][i] += std · z(global index)``, float64, rounded once."""
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    _check(tensors, _TL_DTYPES, "tensors")
+    _chacha_launch(tensors, std, key, step, stream, offset, MODE_ADD)
     return tensors

@@ -147,7 +147,8 @@ double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, 
     fVec acc[4] = {fVec(0.f), fVec(0.f), fVec(0.f), fVec(0.f)};
     for (int it = 0; it < kFlush && e + 2 * kStep <= end; it += 2, e += 2 * kStep) {
       const auto [v0, v1] = combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e);
-      const auto [v2, v3] = combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e + kStep);
+      const auto [v2, v3] =
+          combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e + kStep);
       acc[0] = at::vec::fmadd(v0, v0, acc[0]);
       acc[1] = at::vec::fmadd(v1, v1, acc[1]);
       acc[2] = at::vec::fmadd(v2, v2, acc[2]);
@@ -195,7 +196,8 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
         // Compile-time variants keep the hot loop free of per-step branches.
         const auto run = [&](auto plain, auto shift_tag, auto scale_tag) {
           return sumsq_range<scalar_t, decltype(plain)::value, decltype(shift_tag)::value,
-                             decltype(scale_tag)::value>(r, coeffs.data(), lay.k, sh, sc, task.begin, task.end);
+                             decltype(scale_tag)::value>(r, coeffs.data(), lay.k, sh, sc, task.begin,
+                                                         task.end);
         };
         using T = std::true_type;
         using F = std::false_type;
@@ -247,11 +249,15 @@ struct SumTask {
 
 // What happens to a finished accumulator chunk: out = (acc + noise) * scale, where noise is
 // std * z(global index) from Philox (DESIGN.md §3: generated in the pass that writes the result,
-// never stored), a pre-drawn tensor, or nothing (plain weighted sum, scale 1).
+// never stored), a pre-drawn tensor, or nothing (plain weighted sum, scale 1). Secure mode
+// (chacha): out = float(double(acc) + std64 * z) * scale with z the float64 ChaCha20 normal.
 struct SumEpilogue {
   float std = 0.f, scale = 1.f;
   bool philox = false;
   NoiseKey key{};
+  bool chacha = false;
+  double std64 = 0.0;
+  ChachaKey chacha_key{};
   std::vector<int64_t> offset;      // global element index of each parameter's first element
   std::vector<const float*> noise;  // pre-drawn noise per parameter, or empty
 
@@ -260,6 +266,13 @@ struct SumEpilogue {
       alignas(64) float z[kSumChunk];
       cpu::normals(offset[l] + begin, n, key, z);
       for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + std * z[e]) * scale;
+    } else if (chacha) {
+      alignas(64) double z[kSumChunk];
+      cpu::chacha_normals(offset[l] + begin, n, chacha_key, z);
+      for (int64_t e = 0; e < n; ++e) {
+        const double nu = std64 * z[e];
+        out[begin + e] = round_once<float>(static_cast<double>(acc[e]) + nu) * scale;
+      }
     } else if (!noise.empty()) {
       const float* z = noise[l] + begin;
       for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + z[e]) * scale;
@@ -389,6 +402,19 @@ std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<do
   return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
 }
 
+std::vector<at::Tensor> privatized_sum_chacha20_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                                    const at::Tensor& weights, double noise_std,
+                                                    at::IntArrayRef key, int64_t step, int64_t stream,
+                                                    double out_scale) {
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  SumEpilogue ep;
+  ep.scale = static_cast<float>(out_scale);
+  ep.chacha = true;
+  ep.std64 = noise_std;
+  ep.chacha_key = make_chacha_key(key, step, stream);
+  return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
@@ -396,6 +422,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
   m.impl("clip_factors", &clip_factors_cpu);
   m.impl("weighted_sum", &weighted_sum_cpu);
   m.impl("privatized_sum", &privatized_sum_cpu);
+  m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cpu);
 }
 
 }  // namespace dpkernels

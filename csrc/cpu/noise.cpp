@@ -1,4 +1,4 @@
-// CPU kernels of dpkernels' counter-based noise (spec: docs/RNG.md; math: philox.h).
+// CPU kernels of dpkernels' counter-based noise (spec: docs/RNG.md; math: philox.h, chacha20.h).
 //
 // Work is cut into runs of kBatch Philox blocks (noise_cpu.h): each run computes its blocks' words
 // lane-parallel (one SIMD lane per block) and, for Gaussians, the Box-Muller transform in SIMD,
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "dpkernels/chacha20.h"
 #include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/philox.h"
@@ -23,17 +24,18 @@ using namespace cpu;                 // NOLINT: kernels of this file are the cpu
 constexpr int64_t kGrain = 1 << 14;  // elements per parallel task
 
 // Calls sink(first_element, values, count) over element range [e0, e1) of the global stream,
-// in parallel; values[i] belongs to element first_element + i.
-template <typename T, typename Gen, typename Sink>
+// in parallel; gen(run, values) fills the kLen values of run `run` (elements run * kLen ..), and
+// values[i] passed to sink belongs to element first_element + i.
+template <typename T, int64_t kLen, typename Gen, typename Sink>
 void for_each_run(int64_t e0, int64_t e1, const Gen& gen, const Sink& sink) {
   if (e1 <= e0) return;
-  const int64_t r0 = e0 / kRun, r1 = (e1 + kRun - 1) / kRun;  // runs are aligned to kRun elements
-  at::parallel_for(r0, r1, std::max<int64_t>(1, kGrain / kRun), [&](int64_t a, int64_t b) {
-    alignas(64) T vals[kRun];
+  const int64_t r0 = e0 / kLen, r1 = (e1 + kLen - 1) / kLen;  // runs are aligned to kLen elements
+  at::parallel_for(r0, r1, std::max<int64_t>(1, kGrain / kLen), [&](int64_t a, int64_t b) {
+    alignas(64) T vals[kLen];
     for (int64_t run = a; run < b; ++run) {
-      gen(static_cast<uint64_t>(run) * kBatch, vals);
-      const int64_t lo = std::max(e0, run * kRun), hi = std::min(e1, (run + 1) * kRun);
-      sink(lo, vals + (lo - run * kRun), hi - lo);
+      gen(static_cast<uint64_t>(run), vals);
+      const int64_t lo = std::max(e0, run * kLen), hi = std::min(e1, (run + 1) * kLen);
+      sink(lo, vals + (lo - run * kLen), hi - lo);
     }
   });
 }
@@ -44,8 +46,8 @@ void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stre
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   const NoiseKey key = make_key(seed, step, stream);
   int64_t* o = out.data_ptr<int64_t>();
-  for_each_run<uint32_t>(
-      offset, offset + out.numel(), [&](uint64_t block, uint32_t* w) { philox_run(block, key, w); },
+  for_each_run<uint32_t, kRun>(
+      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); },
       [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
 }
 
@@ -61,8 +63,8 @@ void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step
     DPK_CHECK(x.device().is_cpu() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CPU tensor");
     DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "gaussian_noise", [&] {
       scalar_t* p = x.data_ptr<scalar_t>();
-      for_each_run<float>(
-          base, base + x.numel(), [&](uint64_t block, float* z) { normal_run(block, key, z); },
+      for_each_run<float, kRun>(
+          base, base + x.numel(), [&](uint64_t run, float* z) { normal_run(run * kBatch, key, z); },
           [&](int64_t e, const float* z, int64_t n) {
             scalar_t* dst = p + (e - base);
             for (int64_t i = 0; i < n; ++i) {
@@ -85,12 +87,62 @@ void add_gaussian_noise_cpu(at::TensorList tensors, double std, int64_t seed, in
   gaussian_cpu(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
 }
 
+// Secure mode (docs/RNG.md §6): ChaCha20 words, and float64 normals whose value std * z (plus the
+// element, when accumulating) is formed in float64 and rounded once to the storage dtype.
+void chacha20_uint32_cpu(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream, int64_t offset) {
+  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CPU tensor");
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  const ChachaKey k = make_chacha_key(key, step, stream);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_run<uint32_t, kChachaWordRun>(
+      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { chacha_run(run * kBatch, k, w); },
+      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+}
+
+void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
+                           int64_t stream, int64_t offset, bool accumulate) {
+  const ChachaKey k = make_chacha_key(key, step, stream);
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  int64_t base = offset;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const at::Tensor& x = tensors[t];
+    DPK_CHECK(x.device().is_cpu() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CPU tensor");
+    DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "chacha20_gaussian_noise", [&] {
+      scalar_t* p = x.data_ptr<scalar_t>();
+      for_each_run<double, kChachaNormalRun>(
+          base, base + x.numel(), [&](uint64_t run, double* z) { chacha_normal_run(run * kBatch, k, z); },
+          [&](int64_t e, const double* z, int64_t n) {
+            scalar_t* dst = p + (e - base);
+            for (int64_t i = 0; i < n; ++i) {
+              const double v = std * z[i];
+              dst[i] = round_once<scalar_t>(accumulate ? static_cast<double>(dst[i]) + v : v);
+            }
+          });
+    });
+    base += x.numel();
+  }
+}
+
+void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key, int64_t step,
+                                int64_t stream, int64_t offset) {
+  chacha20_gaussian_cpu({out}, std, key, step, stream, offset, /*accumulate=*/false);
+}
+
+void chacha20_add_gaussian_noise_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
+                                     int64_t stream, int64_t offset) {
+  chacha20_gaussian_cpu(tensors, std, key, step, stream, offset, /*accumulate=*/true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
   m.impl("philox_uint32_", &philox_uint32_cpu);
   m.impl("gaussian_fill_", &gaussian_fill_cpu);
   m.impl("add_gaussian_noise_", &add_gaussian_noise_cpu);
+  m.impl("chacha20_uint32_", &chacha20_uint32_cpu);
+  m.impl("chacha20_gaussian_fill_", &chacha20_gaussian_fill_cpu);
+  m.impl("chacha20_add_gaussian_noise_", &chacha20_add_gaussian_noise_cpu);
 }
 
 }  // namespace dpkernels

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dpkernels/chacha20.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
@@ -42,7 +43,10 @@ struct U32Vec {
   friend U32Vec operator^(U32Vec a, uint32_t k) {
     return {_mm512_xor_si512(a.v, _mm512_set1_epi32(static_cast<int>(k)))};
   }
+  friend U32Vec operator+(U32Vec a, U32Vec b) { return {_mm512_add_epi32(a.v, b.v)}; }
 };
+
+inline U32Vec rotl32(U32Vec a, int n) { return {_mm512_rolv_epi32(a.v, _mm512_set1_epi32(n))}; }
 
 // 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
@@ -93,7 +97,12 @@ struct U32Vec {
   friend U32Vec operator^(U32Vec a, uint32_t k) {
     return {_mm256_xor_si256(a.v, _mm256_set1_epi32(static_cast<int>(k)))};
   }
+  friend U32Vec operator+(U32Vec a, U32Vec b) { return {_mm256_add_epi32(a.v, b.v)}; }
 };
+
+inline U32Vec rotl32(U32Vec a, int n) {
+  return {_mm256_or_si256(_mm256_slli_epi32(a.v, n), _mm256_srli_epi32(a.v, 32 - n))};
+}
 
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
@@ -146,7 +155,16 @@ struct U32Vec {
     for (int i = 0; i < kBatch; ++i) a.v[i] ^= k;
     return a;
   }
+  friend U32Vec operator+(U32Vec a, U32Vec b) {
+    for (int i = 0; i < kBatch; ++i) a.v[i] += b.v[i];
+    return a;
+  }
 };
+
+inline U32Vec rotl32(U32Vec a, int n) {
+  for (int i = 0; i < kBatch; ++i) a.v[i] = dpkernels::rotl32(a.v[i], n);
+  return a;
+}
 
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
@@ -219,6 +237,69 @@ inline void normals(int64_t e0, int64_t n, const NoiseKey& key, float* out) {
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t run = e / kRun, lo = e - run * kRun, take = std::min(kRun - lo, e0 + n - e);
     normal_run(static_cast<uint64_t>(run) * kBatch, key, z);
+    std::copy(z + lo, z + lo + take, out + (e - e0));
+    e += take;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ChaCha20 (secure mode, docs/RNG.md §6): runs of kBatch blocks, one per U32Vec lane.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kChachaWordRun = 16 * kBatch;   // raw words per run
+constexpr int64_t kChachaNormalRun = 8 * kBatch;  // float64 normals per run
+
+// Words of the kBatch blocks starting at `block` (a multiple of kBatch, so the counter's low word
+// never carries), element order (16 words per block): chacha20_rounds() on kBatch states at
+// once, state word i of block b in lane b of x[i].
+inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
+  U32Vec x[16] = {U32Vec::broadcast(kChacha0), U32Vec::broadcast(kChacha1), U32Vec::broadcast(kChacha2),
+                  U32Vec::broadcast(kChacha3)};
+  for (int i = 0; i < 8; ++i) x[4 + i] = U32Vec::broadcast(key.k[i]);
+  x[12] = U32Vec::iota(static_cast<uint32_t>(block));
+  x[13] = U32Vec::broadcast(static_cast<uint32_t>(block >> 32));
+  x[14] = U32Vec::broadcast(key.step);
+  x[15] = U32Vec::broadcast(key.stream);
+  chacha20_rounds(x);
+  alignas(64) uint32_t lanes[16][kBatch];
+  for (int i = 0; i < 16; ++i) x[i].store(lanes[i]);
+  for (int b = 0; b < kBatch; ++b) {
+    for (int i = 0; i < 16; ++i) words[16 * b + i] = lanes[i][b];
+  }
+}
+
+// float64 standard normals of the kBatch blocks starting at `block`, element order (8 per block): the
+// uniform53()/box_muller64() formulas of chacha20.h with at::vec (Sleef) log/sin/cos.
+inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
+  using VecD = at::vec::Vectorized<double>;
+  alignas(64) uint32_t w[16 * kBatch];
+  chacha_run(block, key, w);
+  // u[i][b]: uniform i (0..7) of block b.
+  alignas(64) double u[8][kBatch];
+  for (int b = 0; b < kBatch; ++b) {
+    for (int i = 0; i < 8; ++i) u[i][b] = uniform53(w[16 * b + 2 * i], w[16 * b + 2 * i + 1]);
+  }
+  alignas(64) double out[8][kBatch];
+  for (int k = 0; k < 4; ++k) {
+    for (int b = 0; b < kBatch; b += VecD::size()) {
+      const VecD r = (VecD(-2.0) * VecD::loadu(&u[2 * k][b]).log()).sqrt();
+      const VecD theta = VecD(6.283185307179586) * VecD::loadu(&u[2 * k + 1][b]);
+      (r * theta.cos()).store(&out[2 * k][b]);
+      (r * theta.sin()).store(&out[2 * k + 1][b]);
+    }
+  }
+  for (int b = 0; b < kBatch; ++b) {
+    for (int i = 0; i < 8; ++i) z[8 * b + i] = out[i][b];
+  }
+}
+
+// out[i] = z(e0 + i) for i < n: float64 ChaCha20 normals of an arbitrary element range.
+inline void chacha_normals(int64_t e0, int64_t n, const ChachaKey& key, double* out) {
+  alignas(64) double z[kChachaNormalRun];
+  for (int64_t e = e0; e < e0 + n;) {
+    const int64_t run = e / kChachaNormalRun, lo = e - run * kChachaNormalRun;
+    const int64_t take = std::min(kChachaNormalRun - lo, e0 + n - e);
+    chacha_normal_run(static_cast<uint64_t>(run) * kBatch, key, z);
     std::copy(z + lo, z + lo + take, out + (e - e0));
     e += take;
   }

@@ -20,7 +20,9 @@
 // ν = std * z(g) for the global flat index g of the element over the parameter list (docs/RNG.md), or
 // the pre-drawn noise tensor's element. The same kernel template serves both ops: its kPrivate = false
 // instantiation is the plain weighted sum, which never reads the epilogue. Philox mode generates the
-// noise in registers as the result is written, so it never exists in memory (DESIGN.md §3).
+// noise in registers as the result is written, so it never exists in memory (DESIGN.md §3). Secure mode
+// (kChacha, docs/RNG.md §6) is its own instantiation, so that the Philox and plain variants carry none of
+// its registers: out = float(double(S) + std * z) * scale with the float64 ChaCha20 normal z.
 //
 // [note: alignment]
 // A parameter takes the 128-bit path when every row of every gradient set (and shift/scale) starts on
@@ -41,10 +43,12 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "dpkernels/chacha20.h"
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
@@ -135,13 +139,16 @@ struct WsumArgs {
 
 // What weighted_sum_kernel does with a finished accumulator, by value in the kernel arguments; the
 // CUDA twin of SumEpilogue in csrc/cpu/clip.cpp. kNone is the plain weighted sum.
-enum class SumMode : int32_t { kNone, kScale, kNoise, kPhilox };
+enum class SumMode : int32_t { kNone, kScale, kNoise, kPhilox, kChacha };
 struct SumEpilogue {
   uint64_t seed = 0;              // Philox key
   float std = 0.f;                // kPhilox: ν = std * z(global index)
   float scale = 1.f;              // out = (S + ν) * scale
   uint32_t step = 0, stream = 0;  // Philox counter words 2 and 3
   SumMode mode = SumMode::kNone;
+  // kChacha: device array of the 8 key words, step, stream and the float64 std (low, high word); in
+  // memory because the key does not fit the scalar argument budget.
+  const uint32_t* chacha = nullptr;
 };
 
 // Parameters first_param .. first_param + count - 1; the chunks of parameter first_param + e are
@@ -447,6 +454,77 @@ __device__ __forceinline__ float normal_at(uint64_t g, const SumEpilogue& ep) {
   return (g & 1) != 0 ? z_second : z_first;
 }
 
+// z(g) of secure mode: the float64 normal of global element g alone, from its ChaCha20 block g / 8 and
+// Box-Muller pair (g % 8) / 2 (selected without indexing the word array, which would put it in local
+// memory); the first of a pair takes the cosine.
+__device__ __forceinline__ double chacha_normal_at(uint64_t g, const ChachaKey& key) {
+  uint32_t w[16];
+  chacha20_block(g >> 3, key, w);
+  const int pair = static_cast<int>((g >> 1) & 3);
+  uint32_t a_lo = w[0], a_hi = w[1], b_lo = w[2], b_hi = w[3];
+#pragma unroll
+  for (int k = 1; k < 4; ++k) {
+    if (pair == k) {
+      a_lo = w[4 * k];
+      a_hi = w[4 * k + 1];
+      b_lo = w[4 * k + 2];
+      b_hi = w[4 * k + 3];
+    }
+  }
+  double z_first, z_second;
+  box_muller64(uniform53(a_lo, a_hi), uniform53(b_lo, b_hi), z_first, z_second);
+  return (g & 1) != 0 ? z_second : z_first;
+}
+
+// Secure-mode epilogue: acc[e] = float(double(acc[e]) + std * z) * scale (the product and sum in float64,
+// no FMA, rounded once), same elements as private_epilogue.
+template <int N, bool kVec>
+__device__ __forceinline__ void chacha_epilogue(const WsumArgs& a, const SumEpilogue& ep, int s,
+                                                int64_t start, int col, int len, float (&acc)[N]) {
+  constexpr int kStride = kVec ? 1 : kWsumThreads;
+  ChachaKey key;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) key.k[i] = __ldg(ep.chacha + i);
+  key.step = __ldg(ep.chacha + 8);
+  key.stream = __ldg(ep.chacha + 9);
+  const double std64 =
+      __hiloint2double(static_cast<int>(__ldg(ep.chacha + 11)), static_cast<int>(__ldg(ep.chacha + 10)));
+  const uint64_t g0 = static_cast<uint64_t>(a.offset[s] + start + col);
+  const auto finish = [&](float& x, double z) {
+    x = __fmul_rn(round_once<float>(__dadd_rn(static_cast<double>(x), __dmul_rn(std64, z))), ep.scale);
+  };
+  if constexpr (kVec) {
+    // Groups of 4 consecutive elements; one starting at a multiple of 4 is half of one ChaCha20 block
+    // (pairs (g % 8) / 2 and the next), else each element takes its own block (see private_epilogue).
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) {
+      const uint64_t g = g0 + 4 * q;
+      double z[4];
+      if ((g & 3) == 0) {
+        uint32_t w[16];
+        chacha20_block(g >> 3, key, w);
+        const bool upper = (g & 4) != 0;
+        uint32_t v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = upper ? w[8 + i] : w[i];
+        box_muller64(uniform53(v[0], v[1]), uniform53(v[2], v[3]), z[0], z[1]);
+        box_muller64(uniform53(v[4], v[5]), uniform53(v[6], v[7]), z[2], z[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) z[e] = chacha_normal_at(g + e, key);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) finish(acc[4 * q + e], z[e]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (col + e * kStride < len)
+        finish(acc[e], chacha_normal_at(g0 + static_cast<uint64_t>(e * kStride), key));
+    }
+  }
+}
+
 // acc[e] = (acc[e] + ν_e) * scale for the N elements this thread owns in the chunk at `start` of slot s
 // (offsets col .. col + N - 1 on the vector path, else col, col + kWsumThreads, ...; see
 // weighted_sum_kernel). The noise term std * z is rounded before the add, as in the reference (no FMA
@@ -506,7 +584,7 @@ __device__ __forceinline__ void private_epilogue(const WsumArgs& a, const SumEpi
 // blockIdx.x, accumulated in fp32 in (sample, set) order and written once. Grid (chunks).
 // kPrivate: written through the epilogue ep instead (see [note: private epilogue]); without it ep is
 // not read and the kernel is the plain weighted sum.
-template <typename T, bool kPrivate>
+template <typename T, bool kPrivate, bool kChacha = false>
 __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
     weighted_sum_kernel(const __grid_constant__ WsumArgs a, const float* __restrict__ weights, int64_t B,
                         int64_t L, const SumEpilogue ep) {
@@ -538,7 +616,15 @@ __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
       }
     }
   }
-  if constexpr (kPrivate) {
+  if constexpr (kChacha) {
+    if (col < len) {
+      if (vec) {
+        chacha_epilogue<N, true>(a, ep, s, start, col, len, acc);
+      } else {
+        chacha_epilogue<N, false>(a, ep, s, start, col, len, acc);
+      }
+    }
+  } else if constexpr (kPrivate) {
     if (col < len) {
       if (vec) {
         private_epilogue<N, true>(a, ep, s, start, col, len, acc);
@@ -856,7 +942,10 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
                              (a.noise[slot] == nullptr || aligned16(a.noise[slot]));
       };
       const auto launch = [&](const WsumArgs& a, int blocks) {
-        if (is_private) {
+        if (ep.mode == SumMode::kChacha) {
+          weighted_sum_kernel<scalar_t, true, true>
+              <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L, ep);
+        } else if (is_private) {
           weighted_sum_kernel<scalar_t, true>
               <<<blocks, kWsumThreads, 0, stream>>>(a, weights.const_data_ptr<float>(), lay.B, lay.L, ep);
         } else {
@@ -907,6 +996,28 @@ std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<d
   return weighted_sum_impl(grads, coeffs, weights, ep, noise);
 }
 
+std::vector<at::Tensor> privatized_sum_chacha20_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                                     const at::Tensor& weights, double noise_std,
+                                                     at::IntArrayRef key, int64_t step, int64_t stream,
+                                                     double out_scale) {
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  DPK_CHECK(!grads.empty() && grads[0].is_cuda(), "grads must be CUDA tensors");
+  const ChachaKey k = make_chacha_key(key, step, stream);
+  uint64_t std_bits;
+  std::memcpy(&std_bits, &noise_std, sizeof(std_bits));
+  std::vector<int32_t> words(k.k, k.k + 8);
+  for (const uint32_t v :
+       {k.step, k.stream, static_cast<uint32_t>(std_bits), static_cast<uint32_t>(std_bits >> 32)})
+    words.push_back(static_cast<int32_t>(v));
+  // Freed after the launch: the caching allocator orders its reuse after the kernel on this stream.
+  const at::Tensor table = at::tensor(words, at::dtype(at::kInt)).to(grads[0].device());
+  SumEpilogue ep;
+  ep.scale = static_cast<float>(out_scale);
+  ep.mode = SumMode::kChacha;
+  ep.chacha = reinterpret_cast<const uint32_t*>(table.const_data_ptr<int32_t>());
+  return weighted_sum_impl(grads, coeffs, weights, ep, {});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
@@ -914,6 +1025,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
   m.impl("clip_factors", &clip_factors_cuda);
   m.impl("weighted_sum", &weighted_sum_cuda);
   m.impl("privatized_sum", &privatized_sum_cuda);
+  m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cuda);
 }
 
 }  // namespace dpkernels

@@ -11,6 +11,11 @@
 // element gets the normal of its own global index whatever the tensor boundaries. That costs at
 // most one extra Philox block per tensor boundary.
 //
+// [note: noise generators]
+// The kernel is templated on the generator (PhiloxGen, ChachaGen): a "block" above is one generator
+// call, a work item of elems() elements (4 for Philox; 16 ChaCha20 words or 8 float64 normals in
+// secure mode, docs/RNG.md §6), handled one quad of 4 elements at a time with the same access paths.
+//
 // [note: noise launches]
 // The Philox blocks of a tensor are cut into chunks of kNoiseChunk blocks (one CUDA block runs a
 // chunk: kNoiseThreads threads, kNoiseIters blocks each, thread t taking t, t + kNoiseThreads, ...,
@@ -50,6 +55,7 @@
 #include <utility>
 #include <vector>
 
+#include "dpkernels/chacha20.h"
 #include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
@@ -182,45 +188,88 @@ __device__ __forceinline__ int find_slot(const NoiseTable<kSlots>& tab, int64_t 
   }
 }
 
-// Philox block `block` of the stream, whose element j is element i0 + j of the n-element tensor p
-// (see [note: noise work items]). kWords: p[i] = word; kFill: p[i] = round(s * z); kAdd: p[i] =
-// round(float(p[i]) + s * z).
-template <typename T, NoiseOp kOp>
-__device__ __forceinline__ void noise_block(T* __restrict__ p, int64_t i0, int64_t n, uint64_t block,
-                                            const NoiseKey& key, float s) {
-  constexpr int kW = max_width<T>();
-  const int acc = access_of(p, i0, n);
-  // The old values are loaded before the Philox rounds, so that the loads are in flight meanwhile.
-  float x[4] = {0.f, 0.f, 0.f, 0.f};
-  if constexpr (kOp == NoiseOp::kAdd) {
-    if (acc == kFull) {
-      load4<kW>(p + i0, x);
-    } else if (acc == kHalf) {
-      if constexpr (kW == 4) load4<2>(p + i0, x);
-    } else if (acc == kScalar) {
-      load4<1>(p + i0, x);
+// The generators (see [note: noise generators]). A work item is one generator call: elems<kOp>()
+// consecutive elements of the global stream, a multiple of 4. values() turns item `item` into
+// the stored values v[q][j] of its elements 4q + j, given their old values x (kAdd only).
+struct PhiloxGen {
+  using Key = NoiseKey;
+  using Scale = float;
+  template <NoiseOp kOp>
+  static constexpr int elems() {
+    return 4;
+  }
+  template <typename T, NoiseOp kOp>
+  __device__ __forceinline__ static void values(uint64_t item, const Key& key, Scale s,
+                                                const float (&x)[1][4], T (&v)[1][4]) {
+    const Philox4 w = philox4x32_10(item, key.step, key.stream, key.seed);
+    if constexpr (kOp == NoiseOp::kWords) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[0][j] = static_cast<T>(w.x[j]);
     } else {
+      float z[4];
+      box_muller(w.x[0], w.x[1], z[0], z[1]);
+      box_muller(w.x[2], w.x[3], z[2], z[3]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (i0 + j >= 0 && i0 + j < n) x[j] = static_cast<float>(p[i0 + j]);
+        const float y = __fmul_rn(s, z[j]);
+        v[0][j] = static_cast<T>(kOp == NoiseOp::kAdd ? __fadd_rn(x[0][j], y) : y);
       }
     }
   }
-  const Philox4 w = philox4x32_10(block, key.step, key.stream, key.seed);
-  T v[4];
-  if constexpr (kOp == NoiseOp::kWords) {
+};
+
+// Secure mode (docs/RNG.md §6): element e takes word e % 16 of ChaCha20 block e / 16, or normal
+// e % 8 of block e / 8; std * z (+ the element) in float64, rounded once to T.
+struct ChachaGen {
+  using Key = ChachaKey;
+  using Scale = double;
+  template <NoiseOp kOp>
+  static constexpr int elems() {
+    return kOp == NoiseOp::kWords ? 16 : 8;
+  }
+  template <typename T, NoiseOp kOp>
+  __device__ __forceinline__ static void values(uint64_t item, const Key& key, Scale s,
+                                                const float (&x)[elems<kOp>() / 4][4],
+                                                T (&v)[elems<kOp>() / 4][4]) {
+    uint32_t w[16];
+    chacha20_block(item, key, w);
+    if constexpr (kOp == NoiseOp::kWords) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = static_cast<T>(w.x[j]);
-  } else {
-    float z[4];
-    box_muller(w.x[0], w.x[1], z[0], z[1]);
-    box_muller(w.x[2], w.x[3], z[2], z[3]);
+      for (int i = 0; i < 16; ++i) v[i / 4][i % 4] = static_cast<T>(w[i]);
+    } else {
+      double z[8];
+      chacha_normals(w, z);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float y = __fmul_rn(s, z[j]);
-      v[j] = static_cast<T>(kOp == NoiseOp::kAdd ? __fadd_rn(x[j], y) : y);
+      for (int i = 0; i < 8; ++i) {
+        const double y = __dmul_rn(s, z[i]);
+        v[i / 4][i % 4] =
+            round_once<T>(kOp == NoiseOp::kAdd ? __dadd_rn(static_cast<double>(x[i / 4][i % 4]), y) : y);
+      }
     }
   }
+};
+
+// p[i0 .. i0 + 3] (some may lie outside [0, n): partial) read into x / written from v, by access `acc`.
+template <typename T>
+__device__ __forceinline__ void load_quad(const T* p, int64_t i0, int64_t n, int acc, float (&x)[4]) {
+  constexpr int kW = max_width<T>();
+  if (acc == kFull) {
+    load4<kW>(p + i0, x);
+  } else if (acc == kHalf) {
+    if constexpr (kW == 4) load4<2>(p + i0, x);
+  } else if (acc == kScalar) {
+    load4<1>(p + i0, x);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (i0 + j >= 0 && i0 + j < n) x[j] = static_cast<float>(p[i0 + j]);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_quad(T* p, int64_t i0, int64_t n, int acc, const T (&v)[4]) {
+  constexpr int kW = max_width<T>();
   if (acc == kFull) {
     store4<kW>(p + i0, v);
   } else if (acc == kHalf) {
@@ -235,27 +284,50 @@ __device__ __forceinline__ void noise_block(T* __restrict__ p, int64_t i0, int64
   }
 }
 
+// Work item `item` of the stream, whose element j is element i0 + j of the n-element tensor p (see
+// [note: noise work items]), one quad of 4 elements at a time. kWords: p[i] = word; kFill: p[i] =
+// round(s * z); kAdd: p[i] = round(p[i] + s * z).
+template <typename T, NoiseOp kOp, typename Gen>
+__device__ __forceinline__ void noise_item(T* __restrict__ p, int64_t i0, int64_t n, uint64_t item,
+                                           const typename Gen::Key& key, typename Gen::Scale s) {
+  constexpr int kQuads = Gen::template elems<kOp>() / 4;
+  int acc[kQuads];
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) acc[q] = access_of(p, i0 + 4 * q, n);
+  // The old values are loaded before the generator runs, so that the loads are in flight meanwhile.
+  float x[kQuads][4] = {};
+  if constexpr (kOp == NoiseOp::kAdd) {
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) load_quad(p, i0 + 4 * q, n, acc[q], x[q]);
+  }
+  T v[kQuads][4];
+  Gen::template values<T, kOp>(item, key, s, x, v);
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) store_quad(p, i0 + 4 * q, n, acc[q], v[q]);
+}
+
 // Chunks blockIdx.x, blockIdx.x + gridDim.x, ... < num_chunks of the table (see [note: noise
-// launches]). Chunk c of slot s is the slot's Philox blocks q * kNoiseChunk .. (q + 1) * kNoiseChunk - 1
-// counted from its first, elem0[s] / 4, where q = c - first_chunk[s].
-template <typename T, NoiseOp kOp, int kSlots>
+// launches]). Chunk c of slot s is the slot's work items q * kNoiseChunk .. (q + 1) * kNoiseChunk - 1
+// counted from its first, elem0[s] / kE, where q = c - first_chunk[s] and kE elements make an item.
+template <typename T, NoiseOp kOp, int kSlots, typename Gen>
 __global__ void __launch_bounds__(kNoiseThreads)
-    noise_kernel(const __grid_constant__ NoiseTable<kSlots> tab, int64_t num_chunks, NoiseKey key, float s) {
+    noise_kernel(const __grid_constant__ NoiseTable<kSlots> tab, int64_t num_chunks, typename Gen::Key key,
+                 typename Gen::Scale s) {
+  constexpr int64_t kE = Gen::template elems<kOp>();
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
     const int slot = find_slot(tab, c);
     T* const p = static_cast<T*>(tab.ptr[slot]);
     const int64_t n = tab.numel[slot], e0 = tab.elem0[slot];
-    // Slot-local Philox block u is global block e0 / 4 + u and holds elements 4u - e0 % 4 ..
-    // 4u - e0 % 4 + 3 of the tensor.
-    const uint64_t first_block = static_cast<uint64_t>(e0) / 4;
-    const int64_t lead = e0 % 4;
+    // Slot-local item u is global item e0 / kE + u and holds elements kE u - e0 % kE .. of the tensor.
+    const uint64_t first_item = static_cast<uint64_t>(e0) / kE;
+    const int64_t lead = e0 % kE;
     const int64_t u0 = (c - tab.first_chunk[slot]) * kNoiseChunk + threadIdx.x;
 #pragma unroll 1
     for (int k = 0; k < kNoiseIters; ++k) {
       const int64_t u = u0 + int64_t{k} * kNoiseThreads;
-      const int64_t i0 = 4 * u - lead;
+      const int64_t i0 = kE * u - lead;
       if (i0 >= n) break;  // u only grows with k
-      noise_block<T, kOp>(p, i0, n, first_block + static_cast<uint64_t>(u), key, s);
+      noise_item<T, kOp, Gen>(p, i0, n, first_item + static_cast<uint64_t>(u), key, s);
     }
   }
 }
@@ -271,22 +343,22 @@ struct NoiseItem {
   int64_t elem0;
 };
 
-// Chunks of a tensor: its Philox blocks elem0 / 4 .. (elem0 + numel + 3) / 4 - 1, kNoiseChunk at a time.
-int64_t noise_chunks(const NoiseItem& it) {
-  const int64_t blocks = (it.elem0 + it.numel + 3) / 4 - it.elem0 / 4;
-  return ceil_div(blocks, kNoiseChunk);
+// Chunks of a tensor: its work items elem0 / kE .. (elem0 + numel + kE - 1) / kE - 1, kNoiseChunk at a time.
+int64_t noise_chunks(const NoiseItem& it, int64_t kE) {
+  const int64_t items = (it.elem0 + it.numel + kE - 1) / kE - it.elem0 / kE;
+  return ceil_div(items, kNoiseChunk);
 }
 
 // Runs noise_kernel over items (any order, non-overlapping memory), kSlots tensors per launch.
-template <typename T, NoiseOp kOp, int kSlots>
-void launch_noise(const std::vector<NoiseItem>& items, const NoiseKey& key, float s) {
+template <typename T, NoiseOp kOp, int kSlots, typename Gen>
+void launch_noise(const std::vector<NoiseItem>& items, const typename Gen::Key& key, typename Gen::Scale s) {
   if (items.empty()) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   // Exactly one wave of resident blocks: every block strides over the same number of chunks (give
   // or take one), so a partial second wave would double the time of the blocks in it.
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, noise_kernel<T, kOp, kSlots>,
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, noise_kernel<T, kOp, kSlots, Gen>,
                                                                kNoiseThreads, /*dynamicSMemSize=*/0));
   const int64_t max_grid = int64_t{prop->multiProcessorCount} * std::max(1, per_sm);
   NoiseTable<kSlots> tab{};
@@ -294,7 +366,7 @@ void launch_noise(const std::vector<NoiseItem>& items, const NoiseKey& key, floa
   const auto flush = [&] {
     if (tab.count > 0) {
       const auto grid = static_cast<unsigned>(std::min(chunks, max_grid));
-      noise_kernel<T, kOp, kSlots><<<grid, kNoiseThreads, 0, stream>>>(tab, chunks, key, s);
+      noise_kernel<T, kOp, kSlots, Gen><<<grid, kNoiseThreads, 0, stream>>>(tab, chunks, key, s);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     tab.count = 0;
@@ -306,16 +378,16 @@ void launch_noise(const std::vector<NoiseItem>& items, const NoiseKey& key, floa
     tab.numel[tab.count] = it.numel;
     tab.elem0[tab.count] = it.elem0;
     tab.first_chunk[tab.count] = chunks;
-    chunks += noise_chunks(it);
+    chunks += noise_chunks(it, Gen::template elems<kOp>());
     ++tab.count;
   }
   flush();
 }
 
-// offset + total elements, plus the rounding up to whole Philox blocks, must not overflow int64.
+// offset + total elements, plus the rounding up to whole work items, must not overflow int64.
 void check_offset(int64_t offset, int64_t total) {
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
-  DPK_CHECK(total <= std::numeric_limits<int64_t>::max() - 4 - offset, "offset + numel overflows: offset ",
+  DPK_CHECK(total <= std::numeric_limits<int64_t>::max() - 16 - offset, "offset + numel overflows: offset ",
             offset, ", ", total, " elements");
 }
 
@@ -326,7 +398,18 @@ void philox_uint32_cuda(at::Tensor& out, int64_t seed, int64_t step, int64_t str
   const NoiseKey key = make_key(seed, step, stream);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  launch_noise<int64_t, NoiseOp::kWords, 1>({{out.data_ptr(), out.numel(), offset}}, key, 0.f);
+  launch_noise<int64_t, NoiseOp::kWords, 1, PhiloxGen>({{out.data_ptr(), out.numel(), offset}}, key, 0.f);
+}
+
+void chacha20_uint32_cuda(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream,
+                          int64_t offset) {
+  DPK_CHECK(out.is_cuda() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CUDA tensor, got ", out.scalar_type(), " on ", out.device());
+  check_offset(offset, out.numel());
+  const ChachaKey k = make_chacha_key(key, step, stream);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  launch_noise<int64_t, NoiseOp::kWords, 1, ChachaGen>({{out.data_ptr(), out.numel(), offset}}, k, 0.0);
 }
 
 // The storage dtypes in the order their launches go out.
@@ -349,9 +432,9 @@ bool any_overlap(at::TensorList tensors) {
 }
 
 // out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
-void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+template <typename Gen>
+void gaussian_cuda(at::TensorList tensors, typename Gen::Scale s, const typename Gen::Key& key,
                    int64_t offset, bool accumulate) {
-  const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   if (tensors.empty()) return;
   const c10::Device dev = tensors[0].device();
@@ -369,7 +452,6 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
   check_offset(offset, total);
   if (total == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
-  const float s = static_cast<float>(std);
 
   // Launch groups: the tensors of each dtype, or one tensor each if some share memory.
   std::vector<std::pair<at::ScalarType, std::vector<NoiseItem>>> groups;
@@ -395,9 +477,9 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
     if (items.empty()) continue;
     DPK_DISPATCH_GRAD_TYPES(type, "gaussian_noise", [&] {
       if (accumulate) {
-        launch_noise<scalar_t, NoiseOp::kAdd, kMaxNoiseSlots>(items, key, s);
+        launch_noise<scalar_t, NoiseOp::kAdd, kMaxNoiseSlots, Gen>(items, key, s);
       } else {
-        launch_noise<scalar_t, NoiseOp::kFill, 1>(items, key, s);
+        launch_noise<scalar_t, NoiseOp::kFill, 1, Gen>(items, key, s);
       }
     });
   }
@@ -405,12 +487,24 @@ void gaussian_cuda(at::TensorList tensors, double std, int64_t seed, int64_t ste
 
 void gaussian_fill_cuda(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
                         int64_t offset) {
-  gaussian_cuda({out}, std, seed, step, stream, offset, /*accumulate=*/false);
+  gaussian_cuda<PhiloxGen>({out}, static_cast<float>(std), make_key(seed, step, stream), offset,
+                           /*accumulate=*/false);
 }
 
 void add_gaussian_noise_cuda(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
                              int64_t offset) {
-  gaussian_cuda(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
+  gaussian_cuda<PhiloxGen>(tensors, static_cast<float>(std), make_key(seed, step, stream), offset,
+                           /*accumulate=*/true);
+}
+
+void chacha20_gaussian_fill_cuda(at::Tensor& out, double std, at::IntArrayRef key, int64_t step,
+                                 int64_t stream, int64_t offset) {
+  gaussian_cuda<ChachaGen>({out}, std, make_chacha_key(key, step, stream), offset, /*accumulate=*/false);
+}
+
+void chacha20_add_gaussian_noise_cuda(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
+                                      int64_t stream, int64_t offset) {
+  gaussian_cuda<ChachaGen>(tensors, std, make_chacha_key(key, step, stream), offset, /*accumulate=*/true);
 }
 
 }  // namespace
@@ -419,6 +513,9 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
   m.impl("philox_uint32_", &philox_uint32_cuda);
   m.impl("gaussian_fill_", &gaussian_fill_cuda);
   m.impl("add_gaussian_noise_", &add_gaussian_noise_cuda);
+  m.impl("chacha20_uint32_", &chacha20_uint32_cuda);
+  m.impl("chacha20_gaussian_fill_", &chacha20_gaussian_fill_cuda);
+  m.impl("chacha20_add_gaussian_noise_", &chacha20_add_gaussian_noise_cuda);
 }
 
 }  // namespace dpkernels

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .noise import standard_normal
+from .noise import chacha20_standard_normal, round_once, standard_normal
 
 _THIS_MODULE = sys.modules[__name__]
 
@@ -193,6 +193,29 @@ def privatized_sum(
             noise_std * part.view_as(s) for part, s in zip(torch.split(z, [s.numel() for s in sums]), sums, strict=True)
         ]
     return [(s + nu.to(s.dtype)) * out_scale for s, nu in zip(sums, noise, strict=True)]
+
+
+def privatized_sum_chacha20(
+    grad_sets: Sequence[Sequence[torch.Tensor]],
+    weights: torch.Tensor,
+    coeffs: Sequence[float],
+    noise_std: float,
+    key: int,
+    step: int,
+    stream: int,
+    out_scale: float,
+) -> list[torch.Tensor]:
+    """Secure mode (docs/RNG.md §6): ``round(S^(l) + noise_std · z) · out_scale``, the sum with the
+    float64 ChaCha20 normal formed in float64 and rounded once to ``S``'s dtype, then scaled (a
+    post-processing of the noised value) in that dtype. Element index global over the list."""
+    sums = weighted_sum(grad_sets, weights, coeffs)
+    total = sum(s.numel() for s in sums)
+    z = chacha20_standard_normal(total, key=key, step=step, stream=stream, device=sums[0].device)
+    parts = torch.split(z, [s.numel() for s in sums])
+    return [
+        round_once(s.double() + noise_std * part.view_as(s), s.dtype) * out_scale
+        for s, part in zip(sums, parts, strict=True)
+    ]
 
 
 def check_nonfinite(bad: torch.Tensor, policy: str) -> None:

@@ -105,3 +105,117 @@ def standard_normal(numel: int, *, seed: int, step: int, stream: int = 0, offset
     z = torch.stack(box_muller(*_blocks(numel, offset, seed, step, stream, device)), dim=1).flatten()
     start = offset % 4
     return z[start : start + numel]
+
+
+# --------------------------------------------------------------------------------------------
+# ChaCha20 (secure mode, docs/RNG.md §6)
+# --------------------------------------------------------------------------------------------
+#
+# RFC 8439 §2.3 block function, 20 rounds, keyed by a 256-bit key: state words 0..3 are the
+# constants, 4..11 the key (little-endian uint32 words: word 4 + i = bits 32i .. 32i + 31 of the
+# integer key), 12/13 the block index (low, high), 14 the step and 15 the stream. Raw words:
+# element e takes word e % 16 of block e // 16. Normals (float64): block b gives 8 normals from
+# its 8 uint64 values v_i = w[2i+1]·2³² + w[2i], u_i = (v_i >> 11)·2⁻⁵³ + 2⁻⁵⁴ rounded to
+# nearest-even in float64, Box–Muller on (u_{2k}, u_{2k+1}); element e takes normal e % 8 of
+# block e // 8.
+
+CHACHA_CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)
+CHACHA_DOUBLE_ROUNDS = 10
+TWO_POW_M53 = 2.0**-53
+TWO_POW_M54 = 2.0**-54
+# |z| <= sqrt(-2 ln(2^-54)): the smallest uniform is 2^-54 (v < 2^11).
+CHACHA_MAX_ABS_NORMAL = math.sqrt(108.0 * math.log(2.0))
+
+
+def chacha20_key_words(key: int) -> tuple[int, ...]:
+    """The eight little-endian uint32 key words of a 256-bit integer key (state words 4..11)."""
+    _check_u32("key", key, 256)
+    return tuple((key >> (32 * i)) & MASK32 for i in range(8))
+
+
+def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
+    return ((x << n) | (x >> (32 - n))) & MASK32
+
+
+def _quarter_round(s: list, a: int, b: int, c: int, d: int) -> None:
+    s[a] = (s[a] + s[b]) & MASK32
+    s[d] = _rotl(s[d] ^ s[a], 16)
+    s[c] = (s[c] + s[d]) & MASK32
+    s[b] = _rotl(s[b] ^ s[c], 12)
+    s[a] = (s[a] + s[b]) & MASK32
+    s[d] = _rotl(s[d] ^ s[a], 8)
+    s[c] = (s[c] + s[d]) & MASK32
+    s[b] = _rotl(s[b] ^ s[c], 7)
+
+
+def chacha20_block(state: tuple) -> tuple[torch.Tensor, ...]:
+    """RFC 8439 §2.3 ChaCha20 block function on 16 int64 tensors of uint32 values (same shape)."""
+    x = list(state)
+    for _ in range(CHACHA_DOUBLE_ROUNDS):
+        _quarter_round(x, 0, 4, 8, 12)  # columns
+        _quarter_round(x, 1, 5, 9, 13)
+        _quarter_round(x, 2, 6, 10, 14)
+        _quarter_round(x, 3, 7, 11, 15)
+        _quarter_round(x, 0, 5, 10, 15)  # diagonals
+        _quarter_round(x, 1, 6, 11, 12)
+        _quarter_round(x, 2, 7, 8, 13)
+        _quarter_round(x, 3, 4, 9, 14)
+    return tuple((a + b) & MASK32 for a, b in zip(x, state, strict=True))
+
+
+def _chacha_blocks(first: int, last: int, key: int, step: int, stream: int, device) -> torch.Tensor:
+    """Output words of blocks [first, last): int64 ``[last - first, 16]``."""
+    block = torch.arange(first, last, dtype=torch.int64, device=device)
+    zeros = torch.zeros_like(block)
+    consts = [zeros + c for c in (*CHACHA_CONSTANTS, *chacha20_key_words(key))]
+    state = (*consts, block & MASK32, block >> 32, zeros + step, zeros + stream)
+    return torch.stack(chacha20_block(state), dim=1)
+
+
+def _check_chacha(key, step, stream, offset) -> None:
+    _check_u32("key", key, 256), _check_u32("step", step), _check_u32("stream", stream)
+    _check_u32("offset", offset, 62)
+
+
+def chacha20_uint32(numel: int, *, key: int, step: int, stream: int = 0, offset: int = 0, device=None) -> torch.Tensor:
+    """ChaCha20 keystream words for elements ``[offset, offset + numel)``, as int64 ``[numel]``."""
+    _check_chacha(key, step, stream, offset)
+    words = _chacha_blocks(offset // 16, (offset + numel + 15) // 16, key, step, stream, device).flatten()
+    return words[offset % 16 : offset % 16 + numel]
+
+
+def chacha20_uniform53(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """float64 ``(v >> 11)·2⁻⁵³ + 2⁻⁵⁴`` for ``v = hi·2³² + lo``: in [2⁻⁵⁴, 1], never 0."""
+    m = (hi << 21) | (lo >> 11)  # the top 53 bits of v, < 2^53: exact in int64 and float64
+    return m.to(torch.float64) * TWO_POW_M53 + TWO_POW_M54
+
+
+def chacha20_standard_normal(
+    numel: int, *, key: int, step: int, stream: int = 0, offset: int = 0, device=None
+) -> torch.Tensor:
+    """float64 N(0, 1) draws for elements ``[offset, offset + numel)`` (8 normals per block)."""
+    _check_chacha(key, step, stream, offset)
+    w = _chacha_blocks(offset // 8, (offset + numel + 7) // 8, key, step, stream, device)
+    u = chacha20_uniform53(w[:, 0::2], w[:, 1::2])  # [blocks, 8]
+    r = torch.sqrt(-2.0 * torch.log(u[:, 0::2]))
+    theta = (2.0 * math.pi) * u[:, 1::2]
+    z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=2).flatten()  # z_{2k}, z_{2k+1}
+    return z[offset % 8 : offset % 8 + numel]
+
+
+def round_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``x`` rounded once (to nearest-even) to ``dtype``.
+
+    fp32/fp64 directly. fp16/bf16 via fp32 with round-to-odd (truncate toward zero, set the last
+    bit when inexact): fp32 has at least 13 more significand bits than either, so the second
+    rounding then equals a single rounding of the float64 value (Boldo & Melquiond 2008), which a
+    plain ``x.to(float32).to(float16)`` (two roundings) does not guarantee.
+    """
+    if dtype in (torch.float32, torch.float64):
+        return x.to(dtype)
+    f = x.to(torch.float32)
+    inexact = f.double() != x
+    f = torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    bits = f.view(torch.int32)
+    f = torch.where(inexact, bits | 1, bits).view(torch.float32)
+    return f.to(dtype)
