@@ -27,11 +27,11 @@ import dpkernels
 
 from . import _backend
 from .bench import BenchConfig, Provider, Shape, _stats, bandwidth_providers, make_grad_samples, time_round_robin
+from .noise import RNGS
 
 NOISE_NUMEL = 4_500_000
 NOISE_TARGET = 4.0  # Philox vs torch.normal, D >= 4 M (issue text)
 PRIVATIZE_TARGETS = {"mlp": 1.5, "transformer": 3.0, "small-b8": 3.0, "small-b32": 3.0}
-RNGS = ("philox",)
 SIGMA = 1.0
 SEED = 20261123
 
@@ -45,7 +45,9 @@ def generator_providers(numel: int) -> list[Provider]:
                 Provider(
                     f"cpu {rng}",
                     "dpkernels",
-                    call=lambda: dpkernels.gaussian_noise(numel, std=1.0, seed=SEED, step=1, backend="cpu"),
+                    call=lambda r=rng: dpkernels.gaussian_noise(
+                        numel, std=1.0, seed=SEED, step=1, rng=r, backend="cpu"
+                    ),
                     bytes_moved=4 * numel,
                     note=f"dpkernels.gaussian_noise(rng={rng!r})",
                 )
