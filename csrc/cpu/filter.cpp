@@ -4,6 +4,10 @@
 // chunk's noise comes from cpu::normals without waste). A chunk forms its inputs x in a small fp32
 // array (input + std * z), then runs filter_step() on at::vec::Vectorized<float> lanes, the state
 // buffers being read and written in place; the chunk stays in L1 across the K buffers.
+//
+// Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /
+// __fadd_rn there): GCC would otherwise contract the at::vec multiply and add into an FMA.
+#pragma GCC optimize("fp-contract=off")
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
