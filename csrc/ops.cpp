@@ -39,6 +39,7 @@ TORCH_LIBRARY(dpkernels_C, m) {
   // out = g y (or out += g y with accumulate). coeffs = [a, g, c.., d.., e.., f..]; state[k * L + l]
   // is fp32 buffer k of tensor l; inputs and out may be empty lists.
   m.def(
-      "linear_filter_(Tensor[] inputs, Tensor(a!)[] state, Tensor(b!)[] out, float[] coeffs, bool accumulate, "
+      "linear_filter_(Tensor[] inputs, Tensor(a!)[] state, Tensor(b!)[] out, float[] coeffs, bool "
+      "accumulate, "
       "float noise_std, int seed, int step, int stream, int offset) -> ()");
 }

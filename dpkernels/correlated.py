@@ -239,7 +239,9 @@ class BLTNoise(_StreamingNoise):
                  backend: str = "auto"):  # fmt: skip
         self.theta, self.omega = _vector("theta", theta), _vector("omega", omega)
         if self.theta.numel() != self.omega.numel():
-            raise ValueError(f"theta and omega must have the same length, got {self.theta.numel()} and {self.omega.numel()}")
+            raise ValueError(
+                f"theta and omega must have the same length, got {self.theta.numel()} and {self.omega.numel()}"
+            )
         if self.theta.numel() > MAX_FILTER_BUFFERS:
             raise ValueError(f"at most {MAX_FILTER_BUFFERS} buffers, got {self.theta.numel()}")
         if not ((self.theta > 0) & (self.theta < 1)).all():
@@ -384,7 +386,9 @@ class BandedNoise(_StreamingNoise):
             row = [float(self._toeplitz[r]) if i - r >= 0 else 0.0 for r in range(self.bands)]
             return row, 1.0
         if i >= self.params.shape[0]:
-            raise ValueError(f"BandedNoise: the strategy covers {self.params.shape[0]} steps; step index {i} is past it")
+            raise ValueError(
+                f"BandedNoise: the strategy covers {self.params.shape[0]} steps; step index {i} is past it"
+            )
         row = [float(self.params[i - r, r]) if i - r >= 0 else 0.0 for r in range(self.bands)]
         return row, float(self.col_norms[i])
 

@@ -181,8 +181,9 @@ def _mechanisms(std, seed, backend):
     band = torch.tril(torch.triu(torch.rand(T, T, generator=gen, dtype=torch.float64) + 0.2, diagonal=-2))
     return {
         "blt": BLTNoise(THETA, OMEGA, std=std, seed=seed, start_step=5, backend=backend),
-        "banded-coefs": BandedNoise([1.0, 0.6, 0.3, 0.1], num_steps=T, std=std, seed=seed, start_step=5,
-                                    backend=backend),  # fmt: skip
+        "banded-coefs": BandedNoise(
+            [1.0, 0.6, 0.3, 0.1], num_steps=T, std=std, seed=seed, start_step=5, backend=backend
+        ),  # fmt: skip
         "banded-toeplitz": BandedNoise([1.0, 0.5], std=std, seed=seed, start_step=5, backend=backend),
         "banded-matrix": BandedNoise(matrix=band, std=std, seed=seed, start_step=5, backend=backend),
         "banded-b1": BandedNoise([2.0], num_steps=T, std=std, seed=seed, start_step=5, backend=backend),
@@ -201,7 +202,10 @@ def test_streaming_equals_dense(backend_device, name):
         parts = mech.noise(MECH_SHAPES, 5 + t, device=device)
         got.append(torch.cat([p.reshape(-1) for p in parts]).double().cpu())
     z = torch.stack(
-        [dpkernels.gaussian_noise(total, std=1.0, seed=seed, step=5 + t, backend="reference").double() for t in range(T)]
+        [
+            dpkernels.gaussian_noise(total, std=1.0, seed=seed, step=5 + t, backend="reference").double()
+            for t in range(T)
+        ]
     )
     want = std * (mech.noising_matrix(T) @ z)
     torch.testing.assert_close(torch.stack(got), want, atol=2e-5, rtol=2e-5)

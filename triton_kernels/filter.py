@@ -31,8 +31,9 @@ from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpret
 from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
 from .philox import box_muller, philox4x32_10
 
-#: Elements per program and warps; as the noise kernel (4 Philox blocks per GPU thread).
-FILTER_BLOCK = 2048
+#: Elements per program and warps: one Philox block (4 elements) per GPU thread; 2048 made ptxas spill
+#: in the unaligned variant on sm_80 (tools/gpu_static_check.py).
+FILTER_BLOCK = 1024
 FILTER_NUM_WARPS = 8
 
 
@@ -104,15 +105,9 @@ def _filter_kernel(
         if ALIGNED:
             p_in = tl.multiple_of(p_in, 16)
         x_in = tl.load(p_in + idx, mask=mask, other=0.0).to(tl.float32)
-        if NOISE:
-            x = x_in + x
-        else:
-            x = x_in
+        x = x_in + x if NOISE else x_in
 
-    if HAS_A:
-        y = _load_coeff(coeff_bits, 0) * x
-    else:
-        y = tl.zeros([BLOCK], dtype=tl.float32)
+    y = _load_coeff(coeff_bits, 0) * x if HAS_A else tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(K):
         if _bit(C_BITS, k):
             p = tl.load(state_ptrs + k * T + t).to(tl.pointer_type(tl.float32))
@@ -164,8 +159,8 @@ def linear_filter_(
     stream: int,
     offset: int,
 ) -> None:
-    """In place, the native op's contract (``dpkernels_C::linear_filter_``): ``state[k·L + l]`` is
-    buffer ``k`` of tensor ``l``; ``inputs``/``out`` are ``L`` tensors or empty. Validation of counts,
+    """In place, the native op's contract (``dpkernels_C::linear_filter_``): ``state[k·L + i]`` is
+    buffer ``k`` of tensor ``i``; ``inputs``/``out`` are ``L`` tensors or empty. Validation of counts,
     sizes and dtypes is done by ``dpkernels.filter.linear_filter_``."""
     K = (len(coeffs) - 2) // 4
     L = len(out) if out else (len(inputs) if inputs else len(state) // K)
@@ -177,19 +172,19 @@ def linear_filter_(
             "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
         )
     counter = _check_counter(seed, step, stream, offset)
-    a, g = coeffs[0], coeffs[1]
+    a = coeffs[0]
     c, d, e, f = (coeffs[2 + i * K : 2 + (i + 1) * K] for i in range(4))
     w = [0.0 if (d[k], e[k], f[k]) == (1.0, 0.0, 0.0) else 1.0 for k in range(K)]
     elem = ref[0].dtype if (out or inputs) else torch.float32
     groups: dict[tuple[torch.dtype, bool], list[tuple[int, int]]] = {}
     base = offset
-    for l in range(L):
-        n = ref[l].numel()
+    for p in range(L):
+        n = ref[p].numel()
         if n:
-            dtype = ref[l].dtype if (out or inputs) else elem
-            tensors = [x[l] for x in (inputs, out) if x] + [state[k * L + l] for k in range(K)]
+            dtype = ref[p].dtype if (out or inputs) else elem
+            tensors = [x[p] for x in (inputs, out) if x] + [state[k * L + p] for k in range(K)]
             key = (dtype, _aligned(tensors, n, base, dtype.itemsize))
-            groups.setdefault(key, []).append((l, base))
+            groups.setdefault(key, []).append((p, base))
         base += n
     if not groups:
         return
@@ -198,14 +193,14 @@ def linear_filter_(
     key_h, coeff_h = meta.add(counter), meta.add(_coeff_bits(coeffs))
     launches = []
     for (dtype, aligned), members in groups.items():
-        slots = [l for l, _ in members]
-        numels = [ref[l].numel() for l in slots]
+        slots = [p for p, _ in members]
+        numels = [ref[p].numel() for p in slots]
         tile_slot, tile_start = _tiles(numels, [b for _, b in members], block)
         zeros = [0] * len(slots)
         handles = (
-            meta.add([inputs[l].data_ptr() for l in slots] if inputs else zeros),
-            meta.add([out[l].data_ptr() for l in slots] if out else zeros),
-            meta.add([state[k * L + l].data_ptr() for k in range(K) for l in slots] or [0]),
+            meta.add([inputs[p].data_ptr() for p in slots] if inputs else zeros),
+            meta.add([out[p].data_ptr() for p in slots] if out else zeros),
+            meta.add([state[k * L + p].data_ptr() for k in range(K) for p in slots] or [0]),
             meta.add(numels),
             meta.add([b for _, b in members]),
             meta.add(tile_slot),

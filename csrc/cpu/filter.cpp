@@ -8,6 +8,8 @@
 // Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /
 // __fadd_rn there): GCC would otherwise contract the at::vec multiply and add into an FMA.
 #pragma GCC optimize("fp-contract=off")
+#include "dpkernels/filter.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -17,7 +19,6 @@
 #include <vector>
 
 #include "dpkernels/dispatch.h"
-#include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
@@ -32,8 +33,8 @@ static_assert(kChunk % cpu::kRun == 0 && kChunk % Vec::size() == 0);
 
 // Tensor l: n elements from global index e0; in/out may be null (no inputs / no output).
 template <typename scalar_t>
-void filter_tensor(const FilterCoeffs& fc, const scalar_t* in, scalar_t* out, bool accumulate, float* const* bufs,
-                   int64_t n, int64_t e0, bool noise, const NoiseKey& key, float s) {
+void filter_tensor(const FilterCoeffs& fc, const scalar_t* in, scalar_t* out, bool accumulate,
+                   float* const* bufs, int64_t n, int64_t e0, bool noise, const NoiseKey& key, float s) {
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float x[kChunk];
     alignas(64) float y[kChunk];
@@ -66,9 +67,9 @@ void filter_tensor(const FilterCoeffs& fc, const scalar_t* in, scalar_t* out, bo
   });
 }
 
-void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorList out, at::ArrayRef<double> coeffs,
-                       bool accumulate, double noise_std, int64_t seed, int64_t step, int64_t stream,
-                       int64_t offset) {
+void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorList out,
+                       at::ArrayRef<double> coeffs, bool accumulate, double noise_std, int64_t seed,
+                       int64_t step, int64_t stream, int64_t offset) {
   const FilterLayout lay = check_filter_inputs(inputs, state, out, coeffs, noise_std, c10::DeviceType::CPU);
   const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);

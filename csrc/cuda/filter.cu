@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(kFilterThreads)
       F4 x(0.f);
       if (fl.has_in) x = load4(static_cast<const T*>(tab.in[slot]), i0, n, vec);
       if (fl.noise) {
-        const Philox4 w = philox4x32_10(first_block + static_cast<uint64_t>(u), key.step, key.stream, key.seed);
+        const Philox4 w =
+            philox4x32_10(first_block + static_cast<uint64_t>(u), key.step, key.stream, key.seed);
         F4 z;
         box_muller(w.x[0], w.x[1], z.v[0], z.v[1]);
         box_muller(w.x[2], w.x[3], z.v[2], z.v[3]);
@@ -226,9 +227,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 constexpr std::array<at::ScalarType, 3> kFilterTypes = {at::kFloat, at::kHalf, at::kBFloat16};
 
-void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorList out, at::ArrayRef<double> coeffs,
-                        bool accumulate, double noise_std, int64_t seed, int64_t step, int64_t stream,
-                        int64_t offset) {
+void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorList out,
+                        at::ArrayRef<double> coeffs, bool accumulate, double noise_std, int64_t seed,
+                        int64_t step, int64_t stream, int64_t offset) {
   const FilterLayout lay = check_filter_inputs(inputs, state, out, coeffs, noise_std, c10::DeviceType::CUDA);
   const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
@@ -246,9 +247,14 @@ void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorL
   int64_t base = offset;
   for (int64_t l = 0; l < lay.L; ++l) {
     if (lay.numel[l] > 0) {
-      FilterItem it{inputs.empty() ? nullptr : inputs[l].data_ptr(), out.empty() ? nullptr : out[l].data_ptr(),
-                    {}, lay.numel[l], base, base % 4 == 0};
-      it.aligned = it.aligned && (it.in == nullptr || aligned16(it.in)) && (it.out == nullptr || aligned16(it.out));
+      FilterItem it{inputs.empty() ? nullptr : inputs[l].data_ptr(),
+                    out.empty() ? nullptr : out[l].data_ptr(),
+                    {},
+                    lay.numel[l],
+                    base,
+                    base % 4 == 0};
+      it.aligned =
+          it.aligned && (it.in == nullptr || aligned16(it.in)) && (it.out == nullptr || aligned16(it.out));
       for (int k = 0; k < K; ++k) {
         it.state.push_back(state[k * lay.L + l].data_ptr<float>());
         it.aligned = it.aligned && aligned16(it.state.back());

@@ -75,7 +75,9 @@ def linear_filter(
     if noise_std > 0:
         z = ref_noise.standard_normal(sum(numels), seed=seed, step=step, stream=stream, offset=offset, device=device)
         # std·z is an fp32 product (the kernels' rounding) before any wider math.
-        noise = [(torch.tensor(noise_std, dtype=torch.float32) * part).to(math_dtype) for part in torch.split(z, numels)]
+        noise = [
+            (torch.tensor(noise_std, dtype=torch.float32) * part).to(math_dtype) for part in torch.split(z, numels)
+        ]
     results = []
     for idx, size in enumerate(sizes):
         if inputs is not None:

@@ -21,7 +21,8 @@ struct FilterLayout {
 inline bool is_grad_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 inline FilterLayout check_filter_inputs(at::TensorList inputs, at::TensorList state, at::TensorList out,
-                                        at::ArrayRef<double> coeffs, double noise_std, c10::DeviceType device) {
+                                        at::ArrayRef<double> coeffs, double noise_std,
+                                        c10::DeviceType device) {
   FilterLayout lay;
   DPK_CHECK(coeffs.size() >= 2 && (coeffs.size() - 2) % 4 == 0,
             "coeffs must hold 2 + 4K values [a, g, c.., d.., e.., f..], got ", coeffs.size());
@@ -69,17 +70,18 @@ inline FilterLayout check_filter_inputs(at::TensorList inputs, at::TensorList st
       check(inputs[l], "inputs", l);
       DPK_CHECK(is_grad_type(inputs[l].scalar_type()), "inputs[", l, "] has dtype ", inputs[l].scalar_type(),
                 "; supported: float32, float16, bfloat16");
-      DPK_CHECK(inputs[l].numel() == ref.numel(), "inputs[", l, "] has ", inputs[l].numel(), " elements, expected ",
-                ref.numel());
+      DPK_CHECK(inputs[l].numel() == ref.numel(), "inputs[", l, "] has ", inputs[l].numel(),
+                " elements, expected ", ref.numel());
       DPK_CHECK(out.empty() || inputs[l].scalar_type() == out[l].scalar_type(), "inputs[", l, "] and out[", l,
                 "] must have the same dtype");
     }
     for (int k = 0; k < K; ++k) {
       const at::Tensor& s = state[k * lay.L + l];
       check(s, "state", k * lay.L + l);
-      DPK_CHECK(s.scalar_type() == at::kFloat, "state[", k * lay.L + l, "] must be float32, got ", s.scalar_type());
-      DPK_CHECK(s.numel() == ref.numel(), "state[", k * lay.L + l, "] has ", s.numel(), " elements, expected ",
-                ref.numel());
+      DPK_CHECK(s.scalar_type() == at::kFloat, "state[", k * lay.L + l, "] must be float32, got ",
+                s.scalar_type());
+      DPK_CHECK(s.numel() == ref.numel(), "state[", k * lay.L + l, "] has ", s.numel(),
+                " elements, expected ", ref.numel());
     }
   }
   return lay;
