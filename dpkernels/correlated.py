@@ -191,8 +191,8 @@ class _StreamingNoise:
         _check_counter(sd["seed"], sd["start_step"], sd["stream"], 0)
         self.seed, self.stream, self.start_step, self._index = sd["seed"], sd["stream"], sd["start_step"], sd["index"]
         bufs = sd["buffers"]
-        if bufs is None:
-            self._buffers = None
+        if bufs is None or self._num_buffers == 0:
+            self._buffers = None  # nothing to restore; shapes are taken from the next call
             return
         if len(bufs) != self._num_buffers:
             raise ValueError(f"{self._kind}: state_dict has {len(bufs)} buffers, expected {self._num_buffers}")

@@ -247,7 +247,7 @@ def test_first_step_is_fresh_philox(backend_device):
     torch.testing.assert_close(got, math.sqrt(2) * z, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["blt", "banded-coefs", "banded-toeplitz"])
+@pytest.mark.parametrize("name", ["blt", "banded-coefs", "banded-toeplitz", "banded-matrix", "banded-b1"])
 def test_add_noise_determinism_and_resume(backend_device, name):
     backend, device = backend_device
     shapes = [(9, 4), (17,)]
