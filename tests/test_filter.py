@@ -65,6 +65,19 @@ def test_matches_reference(backend_device, cfg, L, dtype, mode, out_mode):
             torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
+def test_switched_off_terms_are_not_evaluated(backend_device):
+    """A write-only buffer (c = d = 0) holding NaN/inf, and an inf input with a = 0, leave no trace."""
+    backend, device = backend_device
+    x = [torch.full((10,), float("inf"), device=device)]
+    ring = [torch.full((10,), float("nan"), device=device)]
+    keep = [torch.randn(10, device=device)]
+    out = [torch.empty(10, device=device)]
+    linear_filter_([ring, keep], a=0.0, c=[0.0, 2.0], d=[0.0, 1.0], e=[1.0, 0.0], f=[0.0, 0.0], inputs=x, out=out,
+                   backend=backend)  # fmt: skip
+    torch.testing.assert_close(out[0], 2.0 * keep[0], atol=0, rtol=0)
+    torch.testing.assert_close(ring[0], 2.0 * keep[0], atol=0, rtol=0)
+
+
 def test_noise_only_equals_gaussian_noise(backend_device):
     """x = std·z is the add_gaussian_noise_ stream: global index across the list, offset included."""
     backend, device = backend_device
