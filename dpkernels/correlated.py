@@ -9,7 +9,7 @@ buffers (no per-step history):
 - :class:`BLTNoise`: buffered linear Toeplitz ``C`` (Dvijotham et al. 2024, arXiv 2404.16706;
   McMahan et al. 2024, arXiv 2408.08868). ``d`` buffers.
 - :class:`BandedNoise`: column-normalised banded ``C`` (BandMF, Choquette-Choo et al. 2023,
-  arXiv 2306.08153, Alg. 9). A ring of ``b − 1`` past values (``b`` = bands).
+  arXiv 2306.08153, Alg. 9). A ring of ``b − 1`` buffers (``b`` = bands).
 
 The fresh noise ``z_t`` is Philox ``(seed, step=t, stream)`` over the global flat index of the
 tensor list (docs/RNG.md), so the first step's noise equals ``gaussian_noise(std=..., step=t)``
@@ -297,8 +297,10 @@ class BandedNoise(_StreamingNoise):
         noise_t = n_t · x_t
 
     One :func:`linear_filter_` call per step: ``a = 1/row_0``, ``c_r = −row_r/row_0``, ``g = n_t``; the
-    oldest slot is overwritten with ``x_t`` (never read), the ring rotates on the host. Memory: ``b``
-    buffers (0 for ``b = 1``, plain Gaussian noise). Build it from one of:
+    slot of the oldest value ``x_{t−b+1}`` is read for ``x_t`` and then overwritten with it in the same
+    pass, the ring rotates on the host. Memory: ``b − 1`` buffers (jax_privacy keeps ``b``; none for
+    ``b = 1``, plain Gaussian noise); per step ``b − 1`` buffer reads and one write. Build it from one
+    of:
 
     - ``coefs``: ``b`` banded-Toeplitz coefficients (normalised to norm 1). With ``num_steps`` the
       columns near the end are truncated and re-normalised, as jax_privacy's
@@ -363,7 +365,7 @@ class BandedNoise(_StreamingNoise):
         self.num_steps = None if self._toeplitz is not None else self.params.shape[0]
         self.bands = self.params.shape[1]
         self.col_norms = torch.linalg.vector_norm(self.params, dim=1)
-        super().__init__(self.bands if self.bands > 1 else 0, std, seed, stream, start_step, backend)
+        super().__init__(self.bands - 1, std, seed, stream, start_step, backend)
 
     @staticmethod
     def _params_from_matrix(C: Tensor) -> Tensor:
@@ -397,11 +399,13 @@ class BandedNoise(_StreamingNoise):
         b = self.bands
         if b == 1:
             return [], dict(a=1.0 / row[0], g=norm, c=[], d=[], e=[], f=[])
-        # Slot index % b is overwritten with x_t (its old value x_{t-b} is out of the band); the
-        # others hold x_{t-r} at slot (index - r) % b.
-        order = [(index - r) % b for r in range(b)]
-        c = [0.0] + [-row[r] / row[0] for r in range(1, b)]
-        co = dict(a=1.0 / row[0], g=norm, c=c, d=[0.0] + [1.0] * (b - 1), e=[1.0] + [0.0] * (b - 1), f=[0.0] * b)
+        # b - 1 slots: x_{t-r} (r = 1 .. b-1) sits in slot (index - r) % (b - 1). The oldest, x_{t-b+1},
+        # is read for y and then overwritten with x_t in the same element-wise pass (load before
+        # store per element on every backend), so jax_privacy's b-th buffer is not needed.
+        m = b - 1
+        order = [(index - r) % m for r in range(1, b)]
+        c = [-row[r] / row[0] for r in range(1, b)]
+        co = dict(a=1.0 / row[0], g=norm, c=c, d=[1.0] * (m - 1) + [0.0], e=[0.0] * (m - 1) + [1.0], f=[0.0] * m)
         return order, co
 
     def strategy_matrix(self, n: int | None = None) -> Tensor:

@@ -181,12 +181,13 @@ def _triton_specs():
         consts = dict(MODE=mode, ELEM=elem, BLOCK=tn.NOISE_BLOCK, ALIGNED=aligned, VEC=vec)
         specs.append((tn._noise_kernel, variant, noise_sig, consts, tn.NOISE_NUM_WARPS))
     # linear_filter_: BLT noise (3 buffers, fresh noise, accumulate into the target), a banded ring
-    # (slot 0 written only, 3 read-only slots), momentum on bf16 inputs (no output), unaligned.
+    # (b = 4: 2 read-only slots, the oldest read and overwritten), momentum on bf16 inputs (no
+    # output), unaligned BLT.
     filter_sig = {n: "*i64" for n in ("in_ptrs", "out_ptrs", "state_ptrs", "numels", "bases")}
     filter_sig.update(tile_slot="*i64", tile_start="*i64", key="*i64", coeff_bits="*i64", std="fp32", T="i32")
     filter_variants = [
         ("blt k=3 noise+acc fp32", 3, 0b111, 0b111, 0b111, 0, 0b111, False, True, True, True, tl.float32, True),
-        ("banded b=4 noise+acc bf16", 4, 0b1110, 0b1110, 0b0001, 0, 0b0001, True, False, True, True, tl.bfloat16, True),
+        ("banded b=4 noise+acc bf16", 3, 0b111, 0b011, 0b100, 0, 0b100, True, False, True, True, tl.bfloat16, True),
         ("momentum bf16 in, no out", 1, 0b1, 0, 0b1, 0, 0b1, True, True, False, False, tl.bfloat16, True),
         ("blt k=3 noise+acc fp32 unaligned", 3, 0b111, 0b111, 0b111, 0, 0b111, False, True, True, True, tl.float32,
          False),

@@ -17,8 +17,9 @@ fp32 first, as in ``add_gaussian_noise_``.
 What it expresses (see docs/ALGORITHMS.md, "Correlated noise and linear_filter_"):
 
 - BLT noise, C⁻¹ in streaming form: ``x = std·z, a = 1, c = −ω, d = θ, e = 1, f = 0``.
-- Banded MF (ring buffer, the slot to overwrite first): ``a = 1/row₀``, ``c_r = −row_r/row₀``, slot 0
-  ``(c, d, e, f) = (0, 0, 1, 0)``, the others ``(1, 0, 0)``; ``g`` = the column norm.
+- Banded MF (ring of ``b − 1`` past values, passed newest first): ``a = 1/row₀``, ``c_r = −row_r/row₀``,
+  read-only slots ``(d, e, f) = (1, 0, 0)``, the oldest ``(0, 1, 0)`` (read for ``y``, then overwritten with
+  it); ``g`` = the column norm.
 - Heavy-ball momentum ``S ← μS + g``: ``a = 1, c = μ, d = 0, e = 1``; EMA ``m ← βm + (1−β)g``:
   ``a = 1−β, c = β, d = 0, e = 1``; IIR filters of order (p, q) with ring buffers of past outputs
   (written with ``e = 1``) and past inputs (written with ``f = 1``).
