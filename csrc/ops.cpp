@@ -47,4 +47,13 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "chacha20_add_gaussian_noise_(Tensor(a!)[] tensors, float std, int[] key, int step, int stream, "
       "int offset) -> ()");
+
+  // linear_filter_ (dpkernels/filter.py; math: include/dpkernels/filter.h). Per element, x = inputs (or
+  // none) + noise_std * z(offset + global index), y = a x + sum_k c_k S_k, S_k <- d_k S_k + e_k y + f_k x,
+  // out = g y (or out += g y with accumulate). coeffs = [a, g, c.., d.., e.., f..]; state[k * L + l]
+  // is fp32 buffer k of tensor l; inputs and out may be empty lists.
+  m.def(
+      "linear_filter_(Tensor[] inputs, Tensor(a!)[] state, Tensor(b!)[] out, float[] coeffs, bool "
+      "accumulate, "
+      "float noise_std, int seed, int step, int stream, int offset) -> ()");
 }

@@ -8,11 +8,18 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
 - :func:`philox_uint32`, :func:`chacha20_uint32`, :func:`gaussian_noise`, :func:`add_gaussian_noise_`
   (docs/RNG.md; ``rng="chacha20"`` is the secure mode)
 - :func:`available_backends`
+- :func:`linear_filter_`, the generic fused IIR step; :class:`BLTNoise`, :class:`BandedNoise`
+  (correlated noise for DP matrix factorisation, built on it)
 """
 
 from ._backend import BACKENDS, available_backends
 from .clip import CLIP_MODES, clip_and_accumulate, clip_factors, per_sample_norms, privatize, weighted_sum
 from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, philox_uint32
+
+# isort: split
+# Correlated noise and the generic filter step.
+from .correlated import BandedNoise, BLTNoise
+from .filter import linear_filter_
 
 __version__ = "0.1.0"
 
@@ -30,4 +37,8 @@ __all__ = [
     "chacha20_uint32",
     "gaussian_noise",
     "philox_uint32",
+    # Correlated noise and the generic filter step.
+    "BLTNoise",
+    "BandedNoise",
+    "linear_filter_",
 ]

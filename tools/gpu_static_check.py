@@ -2,12 +2,13 @@
 
 Compiles the real GPU code ahead of time and inspects what the compilers produced:
 
-1. Every Triton kernel in ``triton_kernels/clip.py`` and ``triton_kernels/noise.py`` goes through
+1. Every Triton kernel in ``triton_kernels/clip.py``, ``noise.py`` and ``filter.py`` goes through
    ``triton.compile`` with an ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming
    kernel (the two that read the ``B×D`` per-sample gradients) fails the check unless its PTX has
    128-bit global loads (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. The noise
    kernel must use no local memory in any variant, and its aligned variants must store with
-   128-bit vectors (and load with them when adding in place). Registers and spills come from
+   128-bit vectors (and load with them when adding in place). The filter kernel (linear_filter_)
+   must use no local memory, and its aligned variants must load and store 128 bits wide. Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
    in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, or a
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = (80, 90)
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
 NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
+FILTER_KERNELS = ("_filter_kernel",)
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -67,6 +69,10 @@ def _requirements(kernel: str, consts: dict) -> dict:
         # MODE 2 adds in place (reads the tensor); unaligned variants use narrow accesses.
         aligned = bool(consts.get("ALIGNED"))
         return {"loads_128": aligned and consts["MODE"] == 2, "stores_128": aligned, "no_local": True}
+    if kernel in FILTER_KERNELS:
+        # Every variant reads and writes fp32 state buffers; aligned ones must do so 128 bits wide.
+        aligned = bool(consts.get("ALIGNED"))
+        return {"loads_128": aligned, "stores_128": aligned, "no_local": True}
     return {"loads_128": False, "stores_128": False, "no_local": False}
 
 
@@ -123,6 +129,7 @@ def _triton_specs():
     import triton.language as tl
 
     from triton_kernels import clip as tk
+    from triton_kernels import filter as tf
     from triton_kernels import noise as tn
 
     ptr_tables = (
@@ -185,6 +192,25 @@ def _triton_specs():
     for variant, mode, elem, per_block in chacha_variants:
         consts = dict(MODE=mode, ELEM=elem, BLOCK=per_block * tn.CHACHA_BLOCKS)
         specs.append((tn._chacha_kernel, variant, chacha_sig, consts, tn.CHACHA_NUM_WARPS))
+    # linear_filter_: BLT noise (3 buffers, fresh noise, accumulate into the target), a banded ring
+    # (b = 4: 2 read-only slots, the oldest read and overwritten), momentum on bf16 inputs (no
+    # output), unaligned BLT.
+    filter_sig = {n: "*i64" for n in ("in_ptrs", "out_ptrs", "state_ptrs", "numels", "bases")}
+    filter_sig.update(tile_slot="*i64", tile_start="*i64", key="*i64", coeff_bits="*i64", std="fp32", T="i32")
+    filter_variants = [
+        ("blt k=3 noise+acc fp32", 3, 0b111, 0b111, 0b111, 0, 0b111, False, True, True, True, tl.float32, True),
+        ("banded b=4 noise+acc bf16", 3, 0b111, 0b011, 0b100, 0, 0b100, True, False, True, True, tl.bfloat16, True),
+        ("momentum bf16 in, no out", 1, 0b1, 0, 0b1, 0, 0b1, True, True, False, False, tl.bfloat16, True),
+        ("blt k=3 noise+acc fp32 unaligned", 3, 0b111, 0b111, 0b111, 0, 0b111, False, True, True, True, tl.float32,
+         False),
+    ]  # fmt: skip
+    for variant, K, cb, db, eb, fb, wb, has_in, acc, has_out, noise, elem, aligned in filter_variants:
+        consts = dict(
+            K=K, C_BITS=cb, D_BITS=db, E_BITS=eb, F_BITS=fb, W_BITS=wb, HAS_A=True, HAS_IN=has_in,
+            HAS_OUT=has_out, ACCUMULATE=acc, NOISE=noise, ELEM=elem, BLOCK=tf.FILTER_BLOCK, ALIGNED=aligned,
+            VEC=128 // elem.primitive_bitwidth,
+        )  # fmt: skip
+        specs.append((tf._filter_kernel, variant, filter_sig, consts, tf.FILTER_NUM_WARPS))
     return specs
 
 
@@ -262,7 +288,7 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 if need["stores_128"] and rec["stores_128"] == 0:
                     problems.append("no 128-bit global stores (st.global.v4 / .v2.b64) in an aligned variant")
                 if need["no_local"] and rec["local_memory"]:
-                    kind = "a streaming kernel" if rec["streaming"] else "the noise kernel"
+                    kind = "a streaming kernel" if rec["streaming"] else f"{fn.__name__}"
                     problems.append(f"uses local memory (.local) in {kind}")
                 if rec.get("spill_stores", 0) or rec.get("spill_loads", 0):
                     problems.append(f"spills {rec['spill_stores']} B stores / {rec['spill_loads']} B loads")

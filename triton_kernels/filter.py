@@ -1,0 +1,219 @@
+"""Triton kernel of ``linear_filter_`` (semantics: ``dpkernels/reference/filter.py``; the C++ twin of
+the element math is ``csrc/include/dpkernels/filter.h``).
+
+Per element, with ``K`` fp32 state buffers and host coefficients::
+
+    x = input | std·z | input + std·z;   y = a·x + Σ c_k S_k;   S_k ← d_k S_k + e_k y + f_k x;   out (+)= g·y
+
+Work split and noise follow ``noise.py``: a program handles one tile of ``BLOCK`` elements of one
+tensor, tiles aligned to Philox blocks of the global index (``noise._tiles``), the four normals of
+each block interleaved into element order; multi-tensor launches group tensors by (dtype,
+alignment), one launch per group, with every address, size and coefficient in one int64 metadata
+tensor (coefficients as fp32 bit patterns, so the compiled kernel does not specialise on them).
+
+Which terms exist is compile-time: bit ``k`` of ``C_BITS`` / ``D_BITS`` / ``E_BITS`` / ``F_BITS`` says
+that ``c_k`` / ``d_k`` / ``e_k`` / ``f_k`` is non-zero, and ``W_BITS`` which buffers are updated (not
+``(1, 0, 0)``). A zero term is therefore never evaluated (an only-written buffer is never read), as
+in the reference, and a call site with a fixed pattern (BLT, a banded ring passed in rotated order,
+momentum) compiles once. A buffer that feeds ``y`` and is updated with ``d_k ≠ 0`` is loaded twice
+(for ``y``, then for its update after ``y`` is known); on GPU the second load hits L1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta
+from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
+from .philox import box_muller, philox4x32_10
+
+#: Elements per program and warps: one Philox block (4 elements) per GPU thread; 2048 made ptxas spill
+#: in the unaligned variant on sm_80 (tools/gpu_static_check.py).
+FILTER_BLOCK = 1024
+FILTER_NUM_WARPS = 8
+
+
+@triton.jit
+def _bit(bits: tl.constexpr, k: tl.constexpr):
+    return ((bits >> k) & 1) != 0
+
+
+@triton.jit
+def _filter_kernel(
+    in_ptrs,
+    out_ptrs,
+    state_ptrs,
+    numels,
+    bases,
+    tile_slot,
+    tile_start,
+    key,
+    coeff_bits,
+    std,
+    T,
+    K: tl.constexpr,
+    C_BITS: tl.constexpr,
+    D_BITS: tl.constexpr,
+    E_BITS: tl.constexpr,
+    F_BITS: tl.constexpr,
+    W_BITS: tl.constexpr,
+    HAS_A: tl.constexpr,
+    HAS_IN: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    NOISE: tl.constexpr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """One tile of ``BLOCK`` elements of tensor slot ``t`` (grid ``(num_tiles,)``).
+
+    ``in_ptrs``/``out_ptrs``/``numels``/``bases``: int64 ``[T]`` (addresses of ``ELEM`` tensors,
+    element counts, global index of element 0); ``state_ptrs``: int64 ``[K·T]``, buffer ``k`` of slot
+    ``t`` at ``k·T + t`` (fp32); ``tile_slot``/``tile_start`` as in ``noise._noise_kernel``; ``key``:
+    (seed low, seed high, step, stream); ``coeff_bits``: fp32 bits of ``[a, g, c.., d.., e.., f..]``.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(tile_slot + pid)
+    start = tl.load(tile_start + pid)
+    n = tl.load(numels + t)
+    if ALIGNED:
+        start = tl.multiple_of(start, VEC)
+        n = tl.multiple_of(n, VEC)
+    idx = start + tl.arange(0, BLOCK)
+    mask = (idx < n) & (idx >= 0)
+
+    if NOISE:
+        base = tl.load(bases + t)
+        blocks = ((base + start) >> 2) + tl.arange(0, BLOCK // 4)
+        c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
+        c1 = (blocks >> 32).to(tl.uint32)
+        c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
+        c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
+        w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
+        z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
+        x = std * tl.reshape(tl.join(z_first, z_second), [BLOCK])
+    else:
+        x = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_IN:
+        p_in = tl.load(in_ptrs + t).to(tl.pointer_type(ELEM))
+        if ALIGNED:
+            p_in = tl.multiple_of(p_in, 16)
+        x_in = tl.load(p_in + idx, mask=mask, other=0.0).to(tl.float32)
+        x = x_in + x if NOISE else x_in
+
+    y = _load_coeff(coeff_bits, 0) * x if HAS_A else tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        if _bit(C_BITS, k):
+            p = tl.load(state_ptrs + k * T + t).to(tl.pointer_type(tl.float32))
+            if ALIGNED:
+                p = tl.multiple_of(p, 16)
+            y = y + _load_coeff(coeff_bits, 2 + k) * tl.load(p + idx, mask=mask, other=0.0)
+    for k in tl.static_range(K):
+        if _bit(W_BITS, k):
+            p = tl.load(state_ptrs + k * T + t).to(tl.pointer_type(tl.float32))
+            if ALIGNED:
+                p = tl.multiple_of(p, 16)
+            if _bit(D_BITS, k):
+                v = _load_coeff(coeff_bits, 2 + K + k) * tl.load(p + idx, mask=mask, other=0.0)
+            else:
+                v = tl.zeros([BLOCK], dtype=tl.float32)
+            if _bit(E_BITS, k):
+                v = v + _load_coeff(coeff_bits, 2 + 2 * K + k) * y
+            if _bit(F_BITS, k):
+                v = v + _load_coeff(coeff_bits, 2 + 3 * K + k) * x
+            tl.store(p + idx, v, mask=mask)
+    if HAS_OUT:
+        p_out = tl.load(out_ptrs + t).to(tl.pointer_type(ELEM))
+        if ALIGNED:
+            p_out = tl.multiple_of(p_out, 16)
+        res = _load_coeff(coeff_bits, 1) * y
+        if ACCUMULATE:
+            res = tl.load(p_out + idx, mask=mask, other=0.0).to(tl.float32) + res
+        tl.store(p_out + idx, _round_to(res, ELEM), mask=mask)
+
+
+def _bits(values: Sequence[float]) -> int:
+    return sum(1 << k for k, v in enumerate(values) if v != 0)
+
+
+def _aligned(tensors: Sequence[torch.Tensor], numel: int, base: int, elem_size: int) -> bool:
+    vec = _VEC_BYTES // elem_size
+    return numel % vec == 0 and base % 4 == 0 and all(x.data_ptr() % _VEC_BYTES == 0 for x in tensors)
+
+
+def linear_filter_(
+    inputs: Sequence[torch.Tensor],
+    state: Sequence[torch.Tensor],
+    out: Sequence[torch.Tensor],
+    coeffs: Sequence[float],
+    accumulate: bool,
+    noise_std: float,
+    seed: int,
+    step: int,
+    stream: int,
+    offset: int,
+) -> None:
+    """In place, the native op's contract (``dpkernels_C::linear_filter_``): ``state[k·L + i]`` is
+    buffer ``k`` of tensor ``i``; ``inputs``/``out`` are ``L`` tensors or empty. Validation of counts,
+    sizes and dtypes is done by ``dpkernels.filter.linear_filter_``."""
+    K = (len(coeffs) - 2) // 4
+    L = len(out) if out else (len(inputs) if inputs else len(state) // K)
+    ref = list(out) if out else (list(inputs) if inputs else list(state[:L]))
+    device = ref[0].device
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
+            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+        )
+    counter = _check_counter(seed, step, stream, offset)
+    a = coeffs[0]
+    c, d, e, f = (coeffs[2 + i * K : 2 + (i + 1) * K] for i in range(4))
+    w = [0.0 if (d[k], e[k], f[k]) == (1.0, 0.0, 0.0) else 1.0 for k in range(K)]
+    elem = ref[0].dtype if (out or inputs) else torch.float32
+    groups: dict[tuple[torch.dtype, bool], list[tuple[int, int]]] = {}
+    base = offset
+    for p in range(L):
+        n = ref[p].numel()
+        if n:
+            dtype = ref[p].dtype if (out or inputs) else elem
+            tensors = [x[p] for x in (inputs, out) if x] + [state[k * L + p] for k in range(K)]
+            key = (dtype, _aligned(tensors, n, base, dtype.itemsize))
+            groups.setdefault(key, []).append((p, base))
+        base += n
+    if not groups:
+        return
+    block = INTERPRETER_NOISE_BLOCK if _interpreting() else FILTER_BLOCK
+    meta = _Meta()
+    key_h, coeff_h = meta.add(counter), meta.add(_coeff_bits(coeffs))
+    launches = []
+    for (dtype, aligned), members in groups.items():
+        slots = [p for p, _ in members]
+        numels = [ref[p].numel() for p in slots]
+        tile_slot, tile_start = _tiles(numels, [b for _, b in members], block)
+        zeros = [0] * len(slots)
+        handles = (
+            meta.add([inputs[p].data_ptr() for p in slots] if inputs else zeros),
+            meta.add([out[p].data_ptr() for p in slots] if out else zeros),
+            meta.add([state[k * L + p].data_ptr() for k in range(K) for p in slots] or [0]),
+            meta.add(numels),
+            meta.add([b for _, b in members]),
+            meta.add(tile_slot),
+            meta.add(tile_start),
+        )
+        launches.append((dtype, aligned, len(slots), handles, tile_slot.numel()))
+    meta.finish(device)
+    with _device_guard(device):
+        for dtype, aligned, n_slots, h, n_tiles in launches:
+            _filter_kernel[(n_tiles,)](
+                *(meta[x] for x in h), meta[key_h], meta[coeff_h], float(noise_std), n_slots,
+                K=K, C_BITS=_bits(c), D_BITS=_bits(d), E_BITS=_bits(e), F_BITS=_bits(f), W_BITS=_bits(w),
+                HAS_A=a != 0, HAS_IN=bool(inputs), HAS_OUT=bool(out), ACCUMULATE=bool(accumulate),
+                NOISE=noise_std > 0, ELEM=_TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned,
+                VEC=_VEC_BYTES // dtype.itemsize, num_warps=FILTER_NUM_WARPS,
+            )  # fmt: skip
