@@ -56,4 +56,40 @@ TORCH_LIBRARY(dpkernels_C, m) {
       "linear_filter_(Tensor[] inputs, Tensor(a!)[] state, Tensor(b!)[] out, float[] coeffs, bool "
       "accumulate, "
       "float noise_std, int seed, int step, int stream, int offset) -> ()");
+
+  // Fused DP optimizer steps (dpkernels/optim.py; math: include/dpkernels/optim_math.h). Shared:
+  //   params  L parameters (fp32/fp16/bf16), updated in place; sums: L fp32 clipped sums;
+  //   state   the family's fp32 buffers, buffer-major (state[k * L + l]);
+  //   noise   L pre-drawn fp32 tensors nu (noise_std is then unused), or [] for in-pass noise
+  //           nu = noise_std * g y, y = a z + sum_k c_k N_k, N_k <- d_k N_k + e_k y + f_k z (filter.h)
+  //           over noise_state (fp32, buffer-major; [] for independent noise, coefficients [1, 1]),
+  //           z the Philox normal of element offset + global index (seed, step, stream). With no
+  //           noise buffers and noise_std = 0, nothing is generated;
+  //   hyper   the family's scalars in optim_math.h struct order (integer fields as exact floats).
+  // sgd: state = the K direction-filter buffers; d = g dir_filter(g~ + wd theta), theta <- theta - lr d;
+  // past: [] or L tensors (parameter dtype) that receive the old theta (DP-PMLF's past iterates).
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor[] sums, Tensor(b!)[] state, float[] dir_coeffs, Tensor(c!)[] "
+      "past, "
+      "Tensor[] noise, Tensor(d!)[] noise_state, float[] noise_coeffs, float noise_std, int seed, int step, "
+      "int stream, int offset, float[] hyper) -> ()");
+  // dp2: state = [G, inv_d].
+  m.def(
+      "dp2_step_(Tensor(a!)[] params, Tensor[] sums, Tensor(b!)[] state, Tensor[] noise, Tensor(d!)[] "
+      "noise_state, float[] noise_coeffs, float noise_std, int seed, int step, int stream, int offset, "
+      "float[] "
+      "hyper) -> ()");
+  // adam: state = [m, v], or [m, v, scale] for scale-then-privatize.
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] sums, Tensor(b!)[] state, Tensor[] noise, Tensor(d!)[] "
+      "noise_state, float[] noise_coeffs, float noise_std, int seed, int step, int stream, int offset, "
+      "float[] "
+      "hyper) -> ()");
+  // macadam: state = [m, v, s, b_u, inv_bu, shift]; returns sum of sqrt(s_hat) over the updated elements
+  // as a float64 scalar tensor (0 when kappa = 0).
+  m.def(
+      "macadam_step_(Tensor(a!)[] params, Tensor[] sums, Tensor(b!)[] state, Tensor[] noise, Tensor(d!)[] "
+      "noise_state, float[] noise_coeffs, float noise_std, int seed, int step, int stream, int offset, "
+      "float[] "
+      "hyper) -> Tensor");
 }

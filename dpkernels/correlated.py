@@ -121,15 +121,26 @@ class _StreamingNoise:
         if device != self._device:
             raise ValueError(f"{self._kind}: tensors are on {device} but the state is on {self._device}")
 
-    def _step(self, out: list[Tensor], step: int, accumulate: bool) -> None:
+    def plan(self, step: int, shapes: Sequence[Sequence[int]], device) -> tuple[list[list[Tensor]], dict]:
+        """The buffers (in coefficient order) and filter coefficients ``(a, g, c, d, e, f)`` of step
+        ``step``, for a kernel that runs the filter itself (the fused optimizer steps); call
+        :meth:`advance` once it has. Checks the step order and creates the buffers on first use."""
         self._check_step(step)
+        self._ensure_buffers([torch.Size(s) for s in shapes], torch.device(device))
         order, co = self._call(self._index)
-        state = [self._buffers[j] for j in order]
+        return [self._buffers[j] for j in order], co
+
+    def advance(self) -> None:
+        """Mark the planned step as done (its buffers were updated in place)."""
+        self._index += 1
+
+    def _step(self, out: list[Tensor], step: int, accumulate: bool) -> None:
+        state, co = self.plan(step, [t.shape for t in out], out[0].device)
         linear_filter_(
             state, out=out, accumulate=accumulate, noise_std=self.std, seed=self.seed, step=step,
             stream=self.stream, backend=self.backend, **co,
         )  # fmt: skip
-        self._index += 1
+        self.advance()
 
     def add_noise_(self, tensors: Sequence[Tensor], step: int) -> list[Tensor]:
         """In place: ``tensors += noise_t`` (this step's correlated noise), summed in fp32, rounded once.

@@ -143,8 +143,13 @@ def clip_weights(
     per_layer: bool = False,
     nonfinite: str = "raise",
     kernels=None,
+    norm_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 1–2: ``(w, n)`` with per-sample, per-tensor weights ``w`` ``[B, L]`` and norms ``n``.
+
+    ``norm_scale`` multiplies the norms before the weights are formed: a scale vector known only
+    up to a global factor (DP-MacAdam's ``1/b = (1/b_u)/bscale``) is passed as its per-element
+    part, the factor here.
 
     ``w = clip_factors(n)`` (broadcast over tensors for flat clipping). A sample with a non-finite
     gradient raises (``nonfinite="raise"``) or gets weight 0 (``"drop"``). ``kernels`` is the
@@ -156,6 +161,8 @@ def clip_weights(
     bad = ~torch.isfinite(sumsq).all(dim=1)
     check_nonfinite(bad, nonfinite)
     norms64 = (sumsq if per_layer else sumsq.sum(dim=1)).sqrt()
+    if norm_scale != 1.0:
+        norms64 = norms64 * norm_scale
     w = kernels.clip_factors(norms64, max_grad_norm, mode, r)
     w = torch.where(bad if w.dim() == 1 else bad[:, None], 0.0, w)
     if w.dim() == 1:

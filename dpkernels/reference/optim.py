@@ -102,7 +102,19 @@ class DPOptimizer(torch.optim.Optimizer):
     #: ``p.grad_sample`` is a list of ``_num_grad_sets`` tensors (DP-PMLF, even for k = 1)
     _grad_sample_is_list: bool = False
 
-    def __init__(self, params, defaults, *, noise_multiplier, max_grad_norm, expected_batch_size, mode, r, seed):
+    def __init__(
+        self,
+        params,
+        defaults,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode,
+        r,
+        seed,
+        correlated_noise=None,
+    ):
         _check_number("lr", defaults.get("lr"), low=0.0)
         super().__init__(params, defaults)
         self.noise_multiplier = _check_number("noise_multiplier", noise_multiplier, low=0.0)
@@ -113,7 +125,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.expected_batch_size = B
         self.mode = mode
         self.r = _check_mode(mode, r)
-        self.seed = fresh_seed() if seed is None else seed
+        self.correlated_noise = self._check_correlated(correlated_noise, seed)
+        self.seed = correlated_noise.seed if correlated_noise is not None else fresh_seed() if seed is None else seed
         _check_counter(self.seed, 0, 0, 0)
         self._step = 0
         params = self._params()
@@ -145,6 +158,30 @@ class DPOptimizer(torch.optim.Optimizer):
     # Public API
     # ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _check_correlated(mech, seed):
+        """A :class:`dpkernels.BLTNoise`/:class:`dpkernels.BandedNoise` that supplies ``z``'s correlated
+        version: unit std (the optimizer scales by ``σ·C``), its first step = the optimizer's step 1,
+        and its seed is the optimizer's noise seed."""
+        if mech is None:
+            return None
+        from ..correlated import _StreamingNoise
+
+        if not isinstance(mech, _StreamingNoise):
+            raise TypeError(f"correlated_noise must be a BLTNoise or BandedNoise, got {type(mech).__name__}")
+        if mech.std != 1.0:
+            raise ValueError(f"correlated_noise must have std=1 (the optimizer scales it by σ·C), got {mech.std}")
+        if mech.next_step != 1:
+            raise ValueError(
+                f"correlated_noise must start at the optimizer's first step: construct it with start_step=1 "
+                f"(its next step is {mech.next_step})"
+            )
+        if mech.stream != 0:
+            raise ValueError(f"correlated_noise must draw from stream 0 (the gradient noise), got {mech.stream}")
+        if seed is not None and seed != mech.seed:
+            raise ValueError("pass the noise seed to the correlated_noise mechanism only (it differs from seed=)")
+        return mech
+
     @property
     def steps_taken(self) -> int:
         """Number of completed ``step()`` calls; the next step uses noise counter ``steps_taken + 1``."""
@@ -159,6 +196,8 @@ class DPOptimizer(torch.optim.Optimizer):
         overrides this method to return ``(C⁻¹z)_t`` instead.
         """
         params = self._params()
+        if self.correlated_noise is not None:
+            return self.correlated_noise.noise([p.shape for p in params], t, device=params[0].device)
         z = standard_normal(sum(p.numel() for p in params), seed=self.seed, step=t, device=params[0].device)
         return [part.view(p.shape) for part, p in zip(torch.split(z, [p.numel() for p in params]), params, strict=True)]
 
@@ -179,6 +218,10 @@ class DPOptimizer(torch.optim.Optimizer):
             if not self.state[p]:  # a parameter added with add_param_group
                 self.state[p] = self._init_state(p)
         if noise is not None:
+            if self.correlated_noise is not None:
+                raise ValueError(
+                    "step(noise=...) cannot be combined with correlated_noise (its state would skip a step)"
+                )
             noise = self._check_noise(noise, params)
         t = self._step + 1
         _check_counter(self.seed, t, 0, 0)
@@ -198,6 +241,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["dp"] = {"step": self._step, "seed": self.seed, **self._global_state()}
+        if self.correlated_noise is not None:
+            sd["dp"]["correlated_noise"] = self.correlated_noise.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -217,6 +262,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 }
         self._step = int(dp["step"])
         self.seed = int(dp["seed"])
+        if (self.correlated_noise is None) != ("correlated_noise" not in dp):
+            raise ValueError("state_dict and optimizer disagree on whether correlated_noise is used")
+        if self.correlated_noise is not None:
+            self.correlated_noise.load_state_dict(dp["correlated_noise"])
         self._load_global_state(dp)
 
     # ----------------------------------------------------------------------------------------
@@ -297,7 +346,7 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self._params()
         if noise is not None:
             return [nu.to(_state_dtype(p)) for nu, p in zip(noise, params, strict=True)]
-        if self.noise_multiplier == 0.0:
+        if self.noise_multiplier == 0.0 and self.correlated_noise is None:
             return [torch.zeros_like(p, dtype=_state_dtype(p)) for p in params]
         std = self.noise_multiplier * C
         return [std * z.to(_state_dtype(p)) for z, p in zip(self.noise(t), params, strict=True)]
@@ -331,13 +380,34 @@ class DPSGD(DPOptimizer):
     ``C/(n + r/(n + r))``. State: ``momentum_buffer`` (stays 0 when μ = 0).
     """
 
-    def __init__(self, params, lr, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip", r=None,
-                 seed=None, momentum=0.0, weight_decay=0.0):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        momentum=0.0,
+        weight_decay=0.0,
+    ):
         _check_number("momentum", momentum, low=0.0, high=1.0, high_open=True)
         _check_number("weight_decay", weight_decay, low=0.0)
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
-                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     def _init_state(self, p):
         return {"momentum_buffer": torch.zeros_like(p, dtype=_state_dtype(p))}
@@ -407,14 +477,36 @@ class DPAdam(_AdamBase):
     before the Adam step. State: ``exp_avg`` (m), ``exp_avg_sq`` (v).
     """
 
-    def __init__(self, params, lr=1e-3, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip",
-                 r=None, seed=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+    ):
         betas = _check_betas(betas)
         _check_number("eps", eps, low=0.0)
         _check_number("weight_decay", weight_decay, low=0.0)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
-                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     def _denominator(self, v_hat, group):
         return v_hat.sqrt() + group["eps"]
@@ -431,14 +523,36 @@ class DPAdamBC(_AdamBase):
     State as DPAdam.
     """
 
-    def __init__(self, params, lr=1e-3, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip",
-                 r=None, seed=None, betas=(0.9, 0.999), gamma_prime=1e-8, weight_decay=0.0):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        betas=(0.9, 0.999),
+        gamma_prime=1e-8,
+        weight_decay=0.0,
+    ):
         betas = _check_betas(betas)
         _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
         _check_number("weight_decay", weight_decay, low=0.0)
-        super().__init__(params, dict(lr=lr, betas=betas, gamma_prime=gamma_prime, weight_decay=weight_decay),
-                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, gamma_prime=gamma_prime, weight_decay=weight_decay),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     @property
     def phi(self) -> float:
@@ -465,15 +579,38 @@ class DPAdamSTP(_AdamBase):
     from the state. Injected ``noise`` is the scaled-space ``σ·C·z``. State as DPAdam.
     """
 
-    def __init__(self, params, lr=1e-3, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip",
-                 r=None, seed=None, betas=(0.9, 0.999), eps1=1e-8, eps2=1e-8, weight_decay=0.0):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        betas=(0.9, 0.999),
+        eps1=1e-8,
+        eps2=1e-8,
+        weight_decay=0.0,
+    ):
         betas = _check_betas(betas)
         _check_number("eps1", eps1, low=0.0, low_open=True)
         _check_number("eps2", eps2, low=0.0)
         _check_number("weight_decay", weight_decay, low=0.0)
-        super().__init__(params, dict(lr=lr, betas=betas, eps1=eps1, eps2=eps2, weight_decay=weight_decay),
-                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps1=eps1, eps2=eps2, weight_decay=weight_decay),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     def _update(self, params, grad_sets, t, noise):
         C = self.max_grad_norm
@@ -534,9 +671,27 @@ class DPMacAdam(_AdamBase):
     authors' config), γ' = 1e-8 (as DPAdamBC). State: ``exp_avg``, ``exp_avg_sq``, ``s``, ``b``.
     """
 
-    def __init__(self, params, lr=1e-3, *, noise_multiplier, max_grad_norm=1.0, expected_batch_size, mode="clip",
-                 r=None, seed=None, betas=(0.9, 0.999), eps=1e-8, h1=1e-9, h2=1e-6, b0=None, bias_correction=False,
-                 gamma_prime=1e-8, bc_scale="paper"):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        *,
+        noise_multiplier,
+        max_grad_norm=1.0,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        h1=1e-9,
+        h2=1e-6,
+        b0=None,
+        bias_correction=False,
+        gamma_prime=1e-8,
+        bc_scale="paper",
+    ):
         betas = _check_betas(betas)
         if betas[0] == 0.0:
             raise ValueError("DPMacAdam needs betas[0] > 0: with beta1 = 0, kappa_t = 0 for every t")
@@ -551,9 +706,17 @@ class DPMacAdam(_AdamBase):
         self.b0 = b0
         self.bias_correction = bool(bias_correction)
         self.bc_scale = bc_scale
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, gamma_prime=gamma_prime),
-                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, gamma_prime=gamma_prime),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     def _init_state(self, p):
         dt = _state_dtype(p)
@@ -627,9 +790,26 @@ class DP2(DPOptimizer):
     separately. Default β = 0.9 (the authors' ``--rmsprop_gamma``), ε = 1e-8. State: ``v``, ``G``.
     """
 
-    def __init__(self, params, lr, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip", r=None,
-                 seed=None, s1, s2, lr2=None, max_grad_norm2=None, beta=0.9, eps=1e-8,
-                 preconditioner="rmsprop"):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        s1,
+        s2,
+        lr2=None,
+        max_grad_norm2=None,
+        beta=0.9,
+        eps=1e-8,
+        preconditioner="rmsprop",
+    ):
         for name, val in (("s1", s1), ("s2", s2)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
@@ -643,13 +823,31 @@ class DP2(DPOptimizer):
         self.max_grad_norm2 = _check_number(
             "max_grad_norm2", max_grad_norm if max_grad_norm2 is None else max_grad_norm2, low=0.0, low_open=True
         )
-        super().__init__(params, dict(lr=lr, lr2=lr2, beta=beta, eps=eps), noise_multiplier=noise_multiplier,
-                         max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size, mode=mode, r=r,
-                         seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr, lr2=lr2, beta=beta, eps=eps),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     def _init_state(self, p):
         dt = _state_dtype(p)
         return {"v": torch.zeros_like(p, dtype=dt), "G": torch.zeros_like(p, dtype=dt)}
+
+    def _refresh(self, params, groups) -> None:
+        """``v ← βv + (1−β)(G/s1)²`` (AdaGrad: ``v + (G/s1)²``), ``G ← 0``: once per cycle, before the
+        first adaptive step."""
+        for p, group in zip(params, groups, strict=True):
+            st = self.state[p]
+            G2 = (st["G"] / self.s1) ** 2
+            st["v"] = group["beta"] * st["v"] + (1 - group["beta"]) * G2 if self.preconditioner == "rmsprop" \
+                else st["v"] + G2  # fmt: skip
+            st["G"] = torch.zeros_like(st["G"])
 
     def phase(self, t: int) -> str:
         """``"sgd"`` or ``"adaptive"`` for the 1-based step ``t``."""
@@ -662,12 +860,7 @@ class DP2(DPOptimizer):
             for p in params:
                 self.state[p]["G"] = torch.zeros_like(self.state[p]["G"])
         if pos == self.s1:
-            for p, group in zip(params, groups, strict=True):
-                st = self.state[p]
-                G2 = (st["G"] / self.s1) ** 2
-                st["v"] = group["beta"] * st["v"] + (1 - group["beta"]) * G2 if self.preconditioner == "rmsprop" \
-                    else st["v"] + G2  # fmt: skip
-                st["G"] = torch.zeros_like(st["G"])
+            self._refresh(params, groups)
         if pos < self.s1:
             C = self.max_grad_norm
             sums, _ = self._clip(grad_sets, C)
@@ -746,8 +939,22 @@ class DPPMLF(DPOptimizer):
     the authors' code); global ``c`` history in ``state_dict()["dp"]``.
     """
 
-    def __init__(self, params, lr, *, noise_multiplier, max_grad_norm, expected_batch_size, mode="clip", r=None,
-                 seed=None, k=2, beta=0.1, filter="a9b1"):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        mode="clip",
+        r=None,
+        seed=None,
+        correlated_noise=None,
+        k=2,
+        beta=0.1,
+        filter="a9b1",
+    ):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k (momentum length) must be an int >= 1, got {k!r}")
         _check_number("beta", beta, low=0.0, high=1.0)
@@ -756,8 +963,17 @@ class DPPMLF(DPOptimizer):
         self._num_grad_sets = k
         self._grad_sample_is_list = True
         self._c_hist: list[float] = []  # c_{t−1}, c_{t−2}, ... (at most na entries)
-        super().__init__(params, dict(lr=lr), noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, mode=mode, r=r, seed=seed)  # fmt: skip
+        super().__init__(
+            params,
+            dict(lr=lr),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            mode=mode,
+            r=r,
+            seed=seed,
+            correlated_noise=correlated_noise,
+        )
 
     @staticmethod
     def _check_filter(filt) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -1,0 +1,126 @@
+// Host-side validation and argument parsing of the fused optimizer steps (schemas: csrc/ops.cpp),
+// shared by the CPU and CUDA launchers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+#include "dpkernels/filter.h"
+#include "dpkernels/filter_layout.h"
+#include "dpkernels/macros.h"
+#include "dpkernels/optim_math.h"
+
+namespace dpkernels {
+
+// The validated arguments every family shares.
+struct StepLayout {
+  int64_t L = 0;
+  std::vector<int64_t> numel;  // elements of parameter l
+  bool given_noise = false;    // noise[l] holds nu; otherwise nu is generated in the pass
+  FilterCoeffs noise_fc{};     // the noise filter (K = number of noise buffers; [1, 1] = independent)
+  bool generate = false;       // in-pass noise is generated (noise_std > 0 or noise buffers present)
+};
+
+inline FilterCoeffs parse_filter_coeffs(at::ArrayRef<double> coeffs, const char* what) {
+  DPK_CHECK(coeffs.size() >= 2 && (coeffs.size() - 2) % 4 == 0, what,
+            " must hold 2 + 4K values [a, g, c.., d.., e.., f..], got ", coeffs.size());
+  FilterCoeffs fc{};
+  fc.K = static_cast<int>((coeffs.size() - 2) / 4);
+  DPK_CHECK(fc.K <= kMaxFilterBuffers, what, ": at most ", kMaxFilterBuffers, " buffers, got ", fc.K);
+  for (size_t i = 0; i < coeffs.size(); ++i) {
+    DPK_CHECK(std::isfinite(coeffs[i]), what, "[", i, "] is not finite: ", coeffs[i]);
+  }
+  fc.a = static_cast<float>(coeffs[0]);
+  fc.g = static_cast<float>(coeffs[1]);
+  for (int k = 0; k < fc.K; ++k) {
+    fc.c[k] = static_cast<float>(coeffs[2 + k]);
+    fc.d[k] = static_cast<float>(coeffs[2 + fc.K + k]);
+    fc.e[k] = static_cast<float>(coeffs[2 + 2 * fc.K + k]);
+    fc.f[k] = static_cast<float>(coeffs[2 + 3 * fc.K + k]);
+  }
+  return fc;
+}
+
+// params (fp32/fp16/bf16), sums and every fp32 buffer list (state, noise_state) are checked for
+// device, contiguity, dtype and element count; `n_state` is the family's number of state buffers.
+inline StepLayout check_step_inputs(at::TensorList params, at::TensorList sums, at::TensorList state,
+                                    int64_t n_state, at::TensorList noise, at::TensorList noise_state,
+                                    at::ArrayRef<double> noise_coeffs, double noise_std, c10::DeviceType device) {
+  StepLayout lay;
+  lay.L = static_cast<int64_t>(params.size());
+  DPK_CHECK(lay.L > 0, "params must not be empty");
+  DPK_CHECK(static_cast<int64_t>(sums.size()) == lay.L, "sums must hold ", lay.L, " tensors, got ", sums.size());
+  DPK_CHECK(static_cast<int64_t>(state.size()) == n_state * lay.L, "state must hold ", n_state, " x ", lay.L,
+            " tensors (buffer-major), got ", state.size());
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  lay.given_noise = !noise.empty();
+  DPK_CHECK(!lay.given_noise || static_cast<int64_t>(noise.size()) == lay.L, "noise must hold ", lay.L,
+            " tensors or none, got ", noise.size());
+  lay.noise_fc = parse_filter_coeffs(noise_coeffs, "noise_coeffs");
+  DPK_CHECK(static_cast<int64_t>(noise_state.size()) == lay.noise_fc.K * lay.L, "noise_state must hold ",
+            lay.noise_fc.K, " x ", lay.L, " tensors (buffer-major), got ", noise_state.size());
+  DPK_CHECK(!lay.given_noise || lay.noise_fc.K == 0, "pre-drawn noise cannot be combined with noise buffers");
+  lay.generate = !lay.given_noise && (noise_std > 0 || lay.noise_fc.K > 0);
+  const auto check = [&](const at::Tensor& t, const char* what, int64_t idx, int64_t numel, bool fp32) {
+    DPK_CHECK(t.device().type() == device, what, "[", idx, "] is on ", t.device(), ", expected ", device);
+    DPK_CHECK(t.is_contiguous(), what, "[", idx, "] must be contiguous");
+    DPK_CHECK(t.numel() == numel, what, "[", idx, "] has ", t.numel(), " elements, expected ", numel);
+    DPK_CHECK(fp32 ? t.scalar_type() == at::kFloat : is_grad_type(t.scalar_type()), what, "[", idx,
+              "] has dtype ", t.scalar_type(), fp32 ? "; expected float32" : "; supported: float32, float16, bfloat16");
+  };
+  for (int64_t l = 0; l < lay.L; ++l) {
+    lay.numel.push_back(params[l].numel());
+    check(params[l], "params", l, lay.numel[l], false);
+    check(sums[l], "sums", l, lay.numel[l], true);
+    if (lay.given_noise) check(noise[l], "noise", l, lay.numel[l], true);
+    for (int64_t k = 0; k < n_state; ++k) check(state[k * lay.L + l], "state", k * lay.L + l, lay.numel[l], true);
+    for (int k = 0; k < lay.noise_fc.K; ++k) {
+      check(noise_state[k * lay.L + l], "noise_state", k * lay.L + l, lay.numel[l], true);
+    }
+  }
+  return lay;
+}
+
+// hyper lists in optim_math.h struct order; integer fields travel as exact floats.
+inline void check_hyper(at::ArrayRef<double> hyper, size_t n, const char* family) {
+  DPK_CHECK(hyper.size() == n, family, " takes ", n, " hyper-parameters, got ", hyper.size());
+  for (size_t i = 0; i < n; ++i) DPK_CHECK(std::isfinite(hyper[i]), family, " hyper[", i, "] is not finite");
+}
+
+inline SgdHyper parse_sgd_hyper(at::ArrayRef<double> h) {
+  check_hyper(h, 3, "sgd_step_");
+  return {static_cast<float>(h[0]), static_cast<float>(h[1]), static_cast<float>(h[2])};
+}
+
+inline Dp2Hyper parse_dp2_hyper(at::ArrayRef<double> h) {
+  check_hyper(h, 3, "dp2_step_");
+  DPK_CHECK(h[2] == 0 || h[2] == 1, "dp2_step_: phase must be 0 (sgd) or 1 (adaptive), got ", h[2]);
+  return {static_cast<float>(h[0]), static_cast<float>(h[1]), static_cast<int>(h[2])};
+}
+
+inline AdamHyper parse_adam_hyper(at::ArrayRef<double> h) {
+  check_hyper(h, 15, "adam_step_");
+  DPK_CHECK(h[14] == 0 || h[14] == 1 || h[14] == 2, "adam_step_: variant must be 0, 1 or 2, got ", h[14]);
+  AdamHyper a{};
+  float* f[] = {&a.inv_b, &a.lr,       &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &a.bc1,
+                &a.bc2,   &a.bc2_prev, &a.eps,   &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
+  for (size_t i = 0; i < 14; ++i) *f[i] = static_cast<float>(h[i]);
+  a.variant = static_cast<int>(h[14]);
+  return a;
+}
+
+inline MacAdamHyper parse_macadam_hyper(at::ArrayRef<double> h) {
+  check_hyper(h, 17, "macadam_step_");
+  DPK_CHECK(h[16] == 0 || h[16] == 1 || h[16] == 2, "macadam_step_: bc must be 0, 1 or 2, got ", h[16]);
+  MacAdamHyper a{};
+  float* f[] = {&a.inv_b, &a.lr,        &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2,
+                &a.bc1,   &a.bc2,       &a.eps,   &a.noise_var,       &a.gamma, &a.h1,
+                &a.h2,    &a.kappa,     &a.c_total, &a.bscale};
+  for (size_t i = 0; i < 16; ++i) *f[i] = static_cast<float>(h[i]);
+  a.bc = static_cast<int>(h[16]);
+  return a;
+}
+
+}  // namespace dpkernels
