@@ -63,20 +63,70 @@ inline __m512 uniform_lanes(const U32Vec& x) {
                          _mm512_set1_ps(1.1641532182693481e-10f));
 }
 
+// cos θ and sin θ for θ = 2π·u ∈ (0, 2π], the Triton kernels' evaluation (triton_kernels/philox.py):
+// θ = j·π/2 + x, j = round(2θ/π) ∈ 0..4 with a three-part Cody–Waite π/2 (the first two parts
+// make j·C exact), Cephes' sinf/cosf polynomials on |x| ≤ π/4, then the quadrant's rotation.
+// No FMA, as the interpreter; ≤ 7.8e-8 from cos/sin of the fp32 θ over every possible u.
+inline void sincos_2pi(__m512 theta, __m512& cos_out, __m512& sin_out) {
+  const __m512i j = _mm512_cvttps_epi32(
+      _mm512_add_ps(_mm512_mul_ps(theta, _mm512_set1_ps(0.6366197723675814f)), _mm512_set1_ps(0.5f)));
+  const __m512 jf = _mm512_cvtepi32_ps(j);
+  __m512 x = _mm512_sub_ps(theta, _mm512_mul_ps(jf, _mm512_set1_ps(1.5703125f)));
+  x = _mm512_sub_ps(x, _mm512_mul_ps(jf, _mm512_set1_ps(4.837512969970703125e-4f)));
+  x = _mm512_sub_ps(x, _mm512_mul_ps(jf, _mm512_set1_ps(7.54978995489188216e-8f)));
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  __m512 ps =
+      _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(-1.9515295891e-4f), x2), _mm512_set1_ps(8.3321608736e-3f));
+  ps = _mm512_add_ps(_mm512_mul_ps(ps, x2), _mm512_set1_ps(-1.6666654611e-1f));
+  const __m512 sn = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(x, x2), ps), x);
+  __m512 pc = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(2.443315711809948e-5f), x2),
+                            _mm512_set1_ps(-1.388731625493765e-3f));
+  pc = _mm512_add_ps(_mm512_mul_ps(pc, x2), _mm512_set1_ps(4.166664568298827e-2f));
+  __m512 cs = _mm512_mul_ps(_mm512_mul_ps(pc, x2), x2);
+  cs = _mm512_add_ps(_mm512_sub_ps(cs, _mm512_mul_ps(_mm512_set1_ps(0.5f), x2)), _mm512_set1_ps(1.0f));
+  // Quadrant q = j mod 4: (cos θ, sin θ) = (c, s), (−s, c), (−c, −s), (s, −c).
+  const __m512i q = _mm512_and_si512(j, _mm512_set1_epi32(3));
+  const __mmask16 swap = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
+  const __mmask16 neg_cos =
+      _mm512_test_epi32_mask(_mm512_add_epi32(q, _mm512_set1_epi32(1)), _mm512_set1_epi32(2));
+  const __mmask16 neg_sin = _mm512_test_epi32_mask(q, _mm512_set1_epi32(2));
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 c_val = _mm512_mask_blend_ps(swap, cs, sn), s_val = _mm512_mask_blend_ps(swap, sn, cs);
+  cos_out = _mm512_castsi512_ps(
+      _mm512_mask_xor_epi32(_mm512_castps_si512(c_val), neg_cos, _mm512_castps_si512(c_val), sign));
+  sin_out = _mm512_castsi512_ps(
+      _mm512_mask_xor_epi32(_mm512_castps_si512(s_val), neg_sin, _mm512_castps_si512(s_val), sign));
+}
+
+// out[4b + j] = z[j][b]: a 4x16 transpose in registers (within 128-bit lanes, then across them).
+inline void store_element_order(const __m512 z[4], float* out) {
+  const __m512 t0 = _mm512_unpacklo_ps(z[0], z[1]), t1 = _mm512_unpackhi_ps(z[0], z[1]);
+  const __m512 t2 = _mm512_unpacklo_ps(z[2], z[3]), t3 = _mm512_unpackhi_ps(z[2], z[3]);
+  // u_k, 128-bit lane q: the four normals of block 4q + k.
+  const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+  const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+  const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+  const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+  _mm512_storeu_ps(out, _mm512_shuffle_f32x4(v0, v1, 0x88));
+  _mm512_storeu_ps(out + 16, _mm512_shuffle_f32x4(v0, v1, 0xDD));
+  _mm512_storeu_ps(out + 32, _mm512_shuffle_f32x4(v2, v3, 0x88));
+  _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(v2, v3, 0xDD));
+}
+
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
-// order: z[4b + j] = normal j of block b.
+// order: z[4b + j] = normal j of block b. log is Sleef's (u10).
 inline void box_muller_lanes(const U32Vec w[4], float* z) {
-  alignas(64) float lanes[4][kBatch];
+  __m512 out[4];
   for (int pair = 0; pair < 2; ++pair) {
     const __m512 r =
         _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), Sleef_logf16_u10(uniform_lanes(w[2 * pair]))));
     const __m512 theta = _mm512_mul_ps(_mm512_set1_ps(6.2831853071795865f), uniform_lanes(w[2 * pair + 1]));
-    _mm512_store_ps(lanes[2 * pair], _mm512_mul_ps(r, Sleef_cosf16_u35(theta)));
-    _mm512_store_ps(lanes[2 * pair + 1], _mm512_mul_ps(r, Sleef_sinf16_u35(theta)));
+    __m512 c, s;
+    sincos_2pi(theta, c, s);
+    out[2 * pair] = _mm512_mul_ps(r, c);
+    out[2 * pair + 1] = _mm512_mul_ps(r, s);
   }
-  for (int b = 0; b < kBatch; ++b) {
-    for (int j = 0; j < 4; ++j) z[4 * b + j] = lanes[j][b];
-  }
+  store_element_order(out, z);
 }
 #else
 constexpr int kBatch = 8;
