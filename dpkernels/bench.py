@@ -148,8 +148,9 @@ SHAPES: dict[str, Callable[[bool], Shape]] = {
 
 
 #: What ``dpkernels bench`` can run: the clipping pipeline (this module), the Gaussian generator
-#: and the fused private gradient (:mod:`dpkernels.bench_noise`).
-SECTIONS = ("clip", "noise", "privatize")
+#: and the fused private gradient (:mod:`dpkernels.bench_noise`), the fused optimizer steps and the
+#: full DP step (:mod:`dpkernels.bench_step`).
+SECTIONS = ("clip", "noise", "privatize", "step")
 
 
 def get_shape(name: str, quick: bool = False) -> Shape:
@@ -781,9 +782,9 @@ def expected_steps(cfg: BenchConfig) -> int:
     return 2 + (n_clip + 2) * (cfg.warmup + cfg.repeats) + n_clip
 
 
-def _run_noise_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
-    """The generator and ``privatize`` sections (:mod:`dpkernels.bench_noise`), one progress bar each."""
-    from . import bench_noise
+def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
+    """The generator, ``privatize`` and optimizer-step sections, one progress bar each."""
+    from . import bench_noise, bench_step
 
     def ticker(task, label):
         return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
@@ -803,6 +804,17 @@ def _run_noise_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
             record["privatize"].append(rec)
             progress.console.print(bench_noise.privatize_table(rec))
         progress.update(task, description="privatize: done", completed=n)
+    if "step" in cfg.sections:
+        n = (len(bench_step.STEP_CONFIGS) + 3 + 2 * len(shapes)) * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("step", total=n)
+        record["step"] = bench_step.bench_steps(cfg, on_call=ticker(task, "step"))
+        progress.console.print(bench_step.steps_table(record["step"]))
+        record["full_step"] = []
+        for shape in shapes:
+            rec = bench_step.bench_full_step(shape, cfg, on_call=ticker(task, f"full step {shape.name}"))
+            record["full_step"].append(rec)
+            progress.console.print(bench_step.full_step_table(rec))
+        progress.update(task, description="step: done", completed=n)
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
@@ -852,7 +864,7 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
                 record["shapes"].append(rec)
                 progress.console.print(shape_table(rec))
             progress.update(task, description="clip: done", completed=progress.tasks[task].total)
-        _run_noise_sections(cfg, shapes, record, progress)
+        _run_other_sections(cfg, shapes, record, progress)
     if "clip" in cfg.sections:
         record["targets"] = target_rows(record["shapes"])
         console.print(targets_table(record["targets"]))
