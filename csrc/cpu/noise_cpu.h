@@ -5,9 +5,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
-#if defined(__AVX512F__)
-#include <sleef.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -23,9 +20,8 @@ namespace cpu {
 // One U32Vec holds one Philox word of kBatch consecutive blocks (lane-major), so counters are
 // built, rounds run and words converted to uniforms without transposes; only the final values
 // are put in element order. Three builds of the same operations:
-//   AVX-512  16 lanes, Box-Muller with Cephes' logf and the Triton kernels' sin/cos, inlined;
-//   AVX2      8 lanes, Box-Muller with at::vec (Sleef log u10, sin/cos u35);
-//   portable  8 lanes in plain arrays (the compiler may still vectorise), at::vec Box-Muller.
+//   AVX-512  16 lanes; AVX2  8 lanes; portable  8 lanes in plain arrays (the compiler may still
+//   vectorise). Box-Muller is written once below on GCC vector types of kBatch lanes.
 // All three give the same words; their normals agree with the reference to a few ulps (tests).
 #if defined(__AVX512F__)
 constexpr int kBatch = 16;
@@ -57,71 +53,12 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   hi = {_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd)};
 }
 
-// uniform_open0() of every lane (vcvtudq2ps rounds to nearest-even, as the scalar cast).
-inline __m512 uniform_lanes(const U32Vec& x) {
-  return _mm512_fmadd_ps(_mm512_cvtepu32_ps(x.v), _mm512_set1_ps(2.3283064365386963e-10f),
-                         _mm512_set1_ps(1.1641532182693481e-10f));
-}
+using VF = __m512;  // kBatch fp32 lanes (a GCC vector type, as VF below)
 
-// cos θ and sin θ for θ = 2π·u ∈ (0, 2π], the Triton kernels' evaluation (triton_kernels/philox.py):
-// θ = j·π/2 + x, j = round(2θ/π) ∈ 0..4 with a three-part Cody–Waite π/2 (the first two parts
-// make j·C exact), Cephes' sinf/cosf polynomials on |x| ≤ π/4, then the quadrant's rotation.
-// No FMA, as the interpreter; ≤ 7.8e-8 from cos/sin of the fp32 θ over every possible u.
-inline void sincos_2pi(__m512 theta, __m512& cos_out, __m512& sin_out) {
-  const __m512i j = _mm512_cvttps_epi32(
-      _mm512_add_ps(_mm512_mul_ps(theta, _mm512_set1_ps(0.6366197723675814f)), _mm512_set1_ps(0.5f)));
-  const __m512 jf = _mm512_cvtepi32_ps(j);
-  __m512 x = _mm512_sub_ps(theta, _mm512_mul_ps(jf, _mm512_set1_ps(1.5703125f)));
-  x = _mm512_sub_ps(x, _mm512_mul_ps(jf, _mm512_set1_ps(4.837512969970703125e-4f)));
-  x = _mm512_sub_ps(x, _mm512_mul_ps(jf, _mm512_set1_ps(7.54978995489188216e-8f)));
-  const __m512 x2 = _mm512_mul_ps(x, x);
-  __m512 ps =
-      _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(-1.9515295891e-4f), x2), _mm512_set1_ps(8.3321608736e-3f));
-  ps = _mm512_add_ps(_mm512_mul_ps(ps, x2), _mm512_set1_ps(-1.6666654611e-1f));
-  const __m512 sn = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(x, x2), ps), x);
-  __m512 pc = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(2.443315711809948e-5f), x2),
-                            _mm512_set1_ps(-1.388731625493765e-3f));
-  pc = _mm512_add_ps(_mm512_mul_ps(pc, x2), _mm512_set1_ps(4.166664568298827e-2f));
-  __m512 cs = _mm512_mul_ps(_mm512_mul_ps(pc, x2), x2);
-  cs = _mm512_add_ps(_mm512_sub_ps(cs, _mm512_mul_ps(_mm512_set1_ps(0.5f), x2)), _mm512_set1_ps(1.0f));
-  // Quadrant q = j mod 4: (cos θ, sin θ) = (c, s), (−s, c), (−c, −s), (s, −c).
-  const __m512i q = _mm512_and_si512(j, _mm512_set1_epi32(3));
-  const __mmask16 swap = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
-  const __mmask16 neg_cos =
-      _mm512_test_epi32_mask(_mm512_add_epi32(q, _mm512_set1_epi32(1)), _mm512_set1_epi32(2));
-  const __mmask16 neg_sin = _mm512_test_epi32_mask(q, _mm512_set1_epi32(2));
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512 c_val = _mm512_mask_blend_ps(swap, cs, sn), s_val = _mm512_mask_blend_ps(swap, sn, cs);
-  cos_out = _mm512_castsi512_ps(
-      _mm512_mask_xor_epi32(_mm512_castps_si512(c_val), neg_cos, _mm512_castps_si512(c_val), sign));
-  sin_out = _mm512_castsi512_ps(
-      _mm512_mask_xor_epi32(_mm512_castps_si512(s_val), neg_sin, _mm512_castps_si512(s_val), sign));
-}
-
-// ln u for u ∈ (0, 1] (normal floats): Cephes' logf. u = m·2^k with m ∈ [√½, √2) (getexp/getmant,
-// exact), f = m − 1, ln u = k·ln2 + f − f²/2 + f³·P(f) with ln2 split in two parts so k·ln2 adds
-// no rounding; ≤ 1 ulp-class error, like Sleef's u10 at a third of its cost.
-inline __m512 log_open01(__m512 u) {
-  __m512 k = _mm512_getexp_ps(u);
-  __m512 m = _mm512_getmant_ps(u, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
-  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
-  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
-  k = _mm512_mask_add_ps(k, big, k, _mm512_set1_ps(1.0f));
-  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
-  const __m512 f2 = _mm512_mul_ps(f, f);
-  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
-  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
-                        -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  }
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(f, f2), p);
-  y = _mm512_fmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), y);
-  y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), f2, y);
-  return _mm512_fmadd_ps(k, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
-}
+inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
 
 // out[4b + j] = z[j][b]: a 4x16 transpose in registers (within 128-bit lanes, then across them).
-inline void store_element_order(const __m512 z[4], float* out) {
+inline void store_element_order(const VF z[4], float* out) {
   const __m512 t0 = _mm512_unpacklo_ps(z[0], z[1]), t1 = _mm512_unpackhi_ps(z[0], z[1]);
   const __m512 t2 = _mm512_unpacklo_ps(z[2], z[3]), t3 = _mm512_unpackhi_ps(z[2], z[3]);
   // u_k, 128-bit lane q: the four normals of block 4q + k.
@@ -135,25 +72,8 @@ inline void store_element_order(const __m512 z[4], float* out) {
   _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(v2, v3, 0xDD));
 }
 
-// box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
-// order: z[4b + j] = normal j of block b.
-inline void box_muller_lanes(const U32Vec w[4], float* z) {
-  __m512 out[4];
-  for (int pair = 0; pair < 2; ++pair) {
-    const __m512 r =
-        _mm512_sqrt_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), log_open01(uniform_lanes(w[2 * pair]))));
-    const __m512 theta = _mm512_mul_ps(_mm512_set1_ps(6.2831853071795865f), uniform_lanes(w[2 * pair + 1]));
-    __m512 c, s;
-    sincos_2pi(theta, c, s);
-    out[2 * pair] = _mm512_mul_ps(r, c);
-    out[2 * pair + 1] = _mm512_mul_ps(r, s);
-  }
-  store_element_order(out, z);
-}
 #else
 constexpr int kBatch = 8;
-using fVec8 = at::vec::Vectorized<float>;
-static_assert(fVec8::size() == kBatch, "the at::vec Box-Muller takes one vector per Philox word");
 
 #if defined(CPU_CAPABILITY_AVX2)
 struct U32Vec {
@@ -184,18 +104,12 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
 }
 
-// AVX2 converts only signed int32, so float(x) is formed as float(x >> 16) * 2^16 +
-// float(x & 0xFFFF): both terms are exact and the one addition rounds x to nearest-even,
-// bit-identical to the scalar cast.
-inline fVec8 uniform_lanes(const U32Vec& x) {
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x.v, 16));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(x.v, _mm256_set1_epi32(0xFFFF)));
-  const __m256 f = _mm256_add_ps(_mm256_mul_ps(hi, _mm256_set1_ps(65536.0f)), lo);
-  return _mm256_fmadd_ps(f, _mm256_set1_ps(2.3283064365386963e-10f), _mm256_set1_ps(1.1641532182693481e-10f));
-}
+using VF = __m256;
+
+inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
 
 // out[4b + j] = z[j][b]: a 4x8 transpose in registers.
-inline void store_element_order(const fVec8 z[4], float* out) {
+inline void store_element_order(const VF z[4], float* out) {
   const __m256 t0 = _mm256_unpacklo_ps(z[0], z[1]), t1 = _mm256_unpackhi_ps(z[0], z[1]);
   const __m256 t2 = _mm256_unpacklo_ps(z[2], z[3]), t3 = _mm256_unpackhi_ps(z[2], z[3]);
   const __m256 b04 = _mm256_shuffle_ps(t0, t2, 0x44), b15 = _mm256_shuffle_ps(t0, t2, 0xEE);
@@ -242,34 +156,93 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
 }
 
-inline fVec8 uniform_lanes(const U32Vec& x) {
-  alignas(64) float u[kBatch];
-  for (int i = 0; i < kBatch; ++i) u[i] = uniform_open0(x.v[i]);
-  return fVec8::loadu(u);
+using VF = float __attribute__((vector_size(4 * kBatch)));
+
+inline VF vsqrt(VF x) {
+  for (int i = 0; i < kBatch; ++i) x[i] = std::sqrt(x[i]);
+  return x;
 }
 
-inline void store_element_order(const fVec8 z[4], float* out) {
-  alignas(64) float lanes[4][kBatch];
-  for (int j = 0; j < 4; ++j) z[j].store(lanes[j]);
+inline void store_element_order(const VF z[4], float* out) {
   for (int b = 0; b < kBatch; ++b) {
-    for (int j = 0; j < 4; ++j) out[4 * b + j] = lanes[j][b];
+    for (int j = 0; j < 4; ++j) out[4 * b + j] = z[j][b];
   }
 }
 #endif
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Box-Muller on kBatch lanes, written once on GCC vector types (the ISA sections give VF, vsqrt
+// and store_element_order); the same evaluation as the Triton kernels (triton_kernels/philox.py).
+// ---------------------------------------------------------------------------------------------
+
+using VU = uint32_t __attribute__((vector_size(4 * kBatch)));
+using VI = int32_t __attribute__((vector_size(4 * kBatch)));
+static_assert(sizeof(VF) == sizeof(VU) && sizeof(U32Vec) == sizeof(VU), "one lane per Philox block");
+
+// uniform_open0() of every lane: the conversion rounds to nearest-even as the scalar cast, and the
+// product is exact.
+inline VF uniform_lanes(const U32Vec& x) {
+  const VF f = __builtin_convertvector(__builtin_bit_cast(VU, x), VF);
+  return f * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
+}
+
+// ln u for normal u ∈ (0, 1]: Cephes' logf. u = m·2^k with m ∈ [√½, √2) (from the bits, exact),
+// f = m − 1, ln u = k·ln2 + f − f²/2 + f³·P(f), ln2 split in two parts so that k·ln2 adds no
+// rounding.
+inline VF log_open01(VF u) {
+  const VI bits = __builtin_bit_cast(VI, u);
+  VF m = __builtin_bit_cast(VF, (bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
+  VF k = __builtin_convertvector((bits >> 23) - 127, VF);
+  const VI big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  k = big ? k + 1.0f : k;
+  const VF f = m - 1.0f, f2 = f * f;
+  VF p = VF{} + 7.0376836292e-2f;
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                        -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+    p = p * f + c;
+  }
+  VF y = f * f2 * p;
+  y = y + k * -2.12194440e-4f;
+  y = y - 0.5f * f2;
+  return (f + y) + k * 0.693359375f;
+}
+
+// cos θ and sin θ for θ = 2π·u ∈ (0, 2π]: θ = j·π/2 + x, j = round(2θ/π) ∈ 0..4 with a three-part
+// Cody–Waite π/2 (the first two parts make j·C exact), Cephes' sinf/cosf polynomials on
+// |x| ≤ π/4, then the quadrant's rotation; ≤ 7.8e-8 from cos/sin of the fp32 θ for every u.
+inline void sincos_2pi(VF theta, VF& cos_out, VF& sin_out) {
+  const VI j = __builtin_convertvector(theta * 0.6366197723675814f + 0.5f, VI);  // θ ≥ 0: truncation rounds
+  const VF jf = __builtin_convertvector(j, VF);
+  VF x = theta - jf * 1.5703125f;
+  x = x - jf * 4.837512969970703125e-4f;
+  x = x - jf * 7.54978995489188216e-8f;
+  const VF x2 = x * x;
+  const VF sn = x * x2 * ((-1.9515295891e-4f * x2 + 8.3321608736e-3f) * x2 + -1.6666654611e-1f) + x;
+  const VF cs =
+      ((2.443315711809948e-5f * x2 + -1.388731625493765e-3f) * x2 + 4.166664568298827e-2f) * x2 * x2 -
+      0.5f * x2 + 1.0f;
+  // Quadrant q = j mod 4: (cos θ, sin θ) = (c, s), (−s, c), (−c, −s), (s, −c).
+  const VI q = j & 3;
+  const VI swap = (q & 1) != 0;
+  const VF c = swap ? sn : cs, s = swap ? cs : sn;
+  cos_out = ((q + 1) & 2) != 0 ? -c : c;
+  sin_out = (q & 2) != 0 ? -s : s;
+}
 
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
 // order: z[4b + j] = normal j of block b.
 inline void box_muller_lanes(const U32Vec w[4], float* z) {
-  fVec8 out[4];
+  VF out[4];
   for (int pair = 0; pair < 2; ++pair) {
-    const fVec8 r = (fVec8(-2.0f) * uniform_lanes(w[2 * pair]).log()).sqrt();
-    const fVec8 theta = fVec8(6.2831853071795865f) * uniform_lanes(w[2 * pair + 1]);
-    out[2 * pair] = r * theta.cos();
-    out[2 * pair + 1] = r * theta.sin();
+    const VF r = vsqrt(-2.0f * log_open01(uniform_lanes(w[2 * pair])));
+    sincos_2pi(6.2831853071795865f * uniform_lanes(w[2 * pair + 1]), out[2 * pair], out[2 * pair + 1]);
+    out[2 * pair] = r * out[2 * pair];
+    out[2 * pair + 1] = r * out[2 * pair + 1];
   }
   store_element_order(out, z);
 }
-#endif
 
 constexpr int64_t kRun = 4 * kBatch;  // elements per run
 
