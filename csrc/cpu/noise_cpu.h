@@ -172,8 +172,8 @@ inline void store_element_order(const VF z[4], float* out) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Box-Muller on kBatch lanes, written once on GCC vector types (the ISA sections give VF, vsqrt
-// and store_element_order); the same evaluation as the Triton kernels (triton_kernels/philox.py).
+// Box-Muller on kBatch lanes: philox.h's log_open01/sincos_2pi on GCC vector types (the ISA
+// sections give VF, vsqrt and store_element_order).
 // ---------------------------------------------------------------------------------------------
 
 using VU = uint32_t __attribute__((vector_size(4 * kBatch)));
@@ -187,57 +187,24 @@ inline VF uniform_lanes(const U32Vec& x) {
   return f * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 }
 
-// ln u for normal u ∈ (0, 1]: Cephes' logf. u = m·2^k with m ∈ [√½, √2) (from the bits, exact),
-// f = m − 1, ln u = k·ln2 + f − f²/2 + f³·P(f), ln2 split in two parts so that k·ln2 adds no
-// rounding.
-inline VF log_open01(VF u) {
-  const VI bits = __builtin_bit_cast(VI, u);
-  VF m = __builtin_bit_cast(VF, (bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
-  VF k = __builtin_convertvector((bits >> 23) - 127, VF);
-  const VI big = m > 1.41421356f;
-  m = big ? m * 0.5f : m;
-  k = big ? k + 1.0f : k;
-  const VF f = m - 1.0f, f2 = f * f;
-  VF p = VF{} + 7.0376836292e-2f;
-  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
-                        -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
-    p = p * f + c;
-  }
-  VF y = f * f2 * p;
-  y = y + k * -2.12194440e-4f;
-  y = y - 0.5f * f2;
-  return (f + y) + k * 0.693359375f;
-}
-
-// cos θ and sin θ for θ = 2π·u ∈ (0, 2π]: θ = j·π/2 + x, j = round(2θ/π) ∈ 0..4 with a three-part
-// Cody–Waite π/2 (the first two parts make j·C exact), Cephes' sinf/cosf polynomials on
-// |x| ≤ π/4, then the quadrant's rotation; ≤ 7.8e-8 from cos/sin of the fp32 θ for every u.
-inline void sincos_2pi(VF theta, VF& cos_out, VF& sin_out) {
-  const VI j = __builtin_convertvector(theta * 0.6366197723675814f + 0.5f, VI);  // θ ≥ 0: truncation rounds
-  const VF jf = __builtin_convertvector(j, VF);
-  VF x = theta - jf * 1.5703125f;
-  x = x - jf * 4.837512969970703125e-4f;
-  x = x - jf * 7.54978995489188216e-8f;
-  const VF x2 = x * x;
-  const VF sn = x * x2 * ((-1.9515295891e-4f * x2 + 8.3321608736e-3f) * x2 + -1.6666654611e-1f) + x;
-  const VF cs =
-      ((2.443315711809948e-5f * x2 + -1.388731625493765e-3f) * x2 + 4.166664568298827e-2f) * x2 * x2 -
-      0.5f * x2 + 1.0f;
-  // Quadrant q = j mod 4: (cos θ, sin θ) = (c, s), (−s, c), (−c, −s), (s, −c).
-  const VI q = j & 3;
-  const VI swap = (q & 1) != 0;
-  const VF c = swap ? sn : cs, s = swap ? cs : sn;
-  cos_out = ((q + 1) & 2) != 0 ? -c : c;
-  sin_out = (q & 2) != 0 ? -s : s;
-}
+// philox.h's ScalarLanes for the lane vectors, so its log_open01/sincos_2pi templates run on them.
+struct VecLanes {
+  using F = VF;
+  using I = VI;
+  static I bits(F x) { return __builtin_bit_cast(I, x); }
+  static F from_bits(I i) { return __builtin_bit_cast(F, i); }
+  static I trunc(F x) { return __builtin_convertvector(x, I); }
+  static F to_float(I i) { return __builtin_convertvector(i, F); }
+};
 
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
 // order: z[4b + j] = normal j of block b.
 inline void box_muller_lanes(const U32Vec w[4], float* z) {
   VF out[4];
   for (int pair = 0; pair < 2; ++pair) {
-    const VF r = vsqrt(-2.0f * log_open01(uniform_lanes(w[2 * pair])));
-    sincos_2pi(6.2831853071795865f * uniform_lanes(w[2 * pair + 1]), out[2 * pair], out[2 * pair + 1]);
+    const VF r = vsqrt(-2.0f * log_open01<VecLanes>(uniform_lanes(w[2 * pair])));
+    sincos_2pi<VecLanes>(6.2831853071795865f * uniform_lanes(w[2 * pair + 1]), out[2 * pair],
+                         out[2 * pair + 1]);
     out[2 * pair] = r * out[2 * pair];
     out[2 * pair + 1] = r * out[2 * pair + 1];
   }

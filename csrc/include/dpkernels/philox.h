@@ -55,13 +55,99 @@ DPK_HOST_DEVICE inline float uniform_open0(uint32_t x) {
   return static_cast<float>(x) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 }
 
+// The float type F, its int32 twin I and the conversions the templates below need, for scalars;
+// the CPU kernels define the same for their SIMD lane vectors (csrc/cpu/noise_cpu.h).
+struct ScalarLanes {
+  using F = float;
+  using I = int32_t;
+  DPK_HOST_DEVICE static I bits(F x) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_int(x);
+#else
+    I i;
+    __builtin_memcpy(&i, &x, sizeof(i));
+    return i;
+#endif
+  }
+  DPK_HOST_DEVICE static F from_bits(I i) {
+#if defined(__CUDA_ARCH__)
+    return __int_as_float(i);
+#else
+    F x;
+    __builtin_memcpy(&x, &i, sizeof(x));
+    return x;
+#endif
+  }
+  DPK_HOST_DEVICE static I trunc(F x) { return static_cast<I>(x); }
+  DPK_HOST_DEVICE static F to_float(I i) { return static_cast<F>(i); }
+};
+
+// ln u for a normal u in (0, 1] (every uniform_open0 value): Cephes' logf. u = m 2^k with m in
+// [sqrt(1/2), sqrt(2)) (exponent and mantissa from the bits, exact), f = m - 1, ln u = k ln2 + f -
+// f^2/2 + f^3 P(f), ln2 split in two parts so that k ln2 adds no rounding. Lanes: ScalarLanes or a
+// SIMD equivalent.
+template <typename Lanes, typename F = typename Lanes::F>
+DPK_HOST_DEVICE inline F log_open01(F u) {
+  const typename Lanes::I bits = Lanes::bits(u);
+  F m = Lanes::from_bits((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
+  F k = Lanes::to_float((bits >> 23) - 127);
+  const auto big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  k = big ? k + 1.0f : k;
+  const F f = m - 1.0f, f2 = f * f;
+  F p = f * 0.0f + 7.0376836292e-2f;
+  p = p * f + -1.1514610310e-1f;
+  p = p * f + 1.1676998740e-1f;
+  p = p * f + -1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f;
+  p = p * f + -1.6668057665e-1f;
+  p = p * f + 2.0000714765e-1f;
+  p = p * f + -2.4999993993e-1f;
+  p = p * f + 3.3333331174e-1f;
+  F y = f * f2 * p;
+  y = y + k * -2.12194440e-4f;
+  y = y - 0.5f * f2;
+  return (f + y) + k * 0.693359375f;
+}
+
+// cos and sin of theta = 2 pi u in (0, 2 pi], the evaluation every backend shares (the Triton twin is
+// triton_kernels/philox.py): theta = j pi/2 + x, j = round(2 theta/pi) in 0..4 with a three-part
+// Cody-Waite pi/2 (the first two parts make j C exact), Cephes' sinf/cosf polynomials on
+// |x| <= pi/4, then the quadrant's rotation. <= 7.8e-8 from cos/sin of the fp32 theta for every u;
+// no Payne-Hanek slow path (so no local memory on the GPU), unlike sinf/cosf.
+template <typename Lanes, typename F = typename Lanes::F>
+DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
+  using I = typename Lanes::I;
+  const I j = Lanes::trunc(theta * 0.6366197723675814f + 0.5f);  // theta >= 0: truncation rounds
+  const F jf = Lanes::to_float(j);
+  F x = theta - jf * 1.5703125f;
+  x = x - jf * 4.837512969970703125e-4f;
+  x = x - jf * 7.54978995489188216e-8f;
+  const F x2 = x * x;
+  const F sn = x * x2 * ((-1.9515295891e-4f * x2 + 8.3321608736e-3f) * x2 + -1.6666654611e-1f) + x;
+  const F cs =
+      ((2.443315711809948e-5f * x2 + -1.388731625493765e-3f) * x2 + 4.166664568298827e-2f) * x2 * x2 -
+      0.5f * x2 + 1.0f;
+  // Quadrant q = j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c).
+  const I q = j & 3;
+  const auto swap = (q & 1) != 0;
+  const F c = swap ? sn : cs, s = swap ? cs : sn;
+  cos_out = ((q + 1) & 2) != 0 ? -c : c;
+  sin_out = (q & 2) != 0 ? -s : s;
+}
+
 // Box-Muller on one word pair: z_first = r cos(2 pi u_b), z_second = r sin(2 pi u_b),
-// r = sqrt(-2 ln u_a). fp32 throughout.
+// r = sqrt(-2 ln u_a). fp32 throughout; logf on the GPU (precise, no slow path), sin/cos as above.
 DPK_HOST_DEVICE inline void box_muller(uint32_t a, uint32_t b, float& z0, float& z1) {
+#if defined(__CUDA_ARCH__)
   const float r = sqrtf(-2.0f * logf(uniform_open0(a)));
-  const float theta = 6.2831853071795865f * uniform_open0(b);
-  z0 = r * cosf(theta);
-  z1 = r * sinf(theta);
+#else
+  const float r = sqrtf(-2.0f * log_open01<ScalarLanes>(uniform_open0(a)));
+#endif
+  float c, s;
+  sincos_2pi<ScalarLanes>(6.2831853071795865f * uniform_open0(b), c, s);
+  z0 = r * c;
+  z1 = r * s;
 }
 
 }  // namespace dpkernels
