@@ -83,6 +83,21 @@ inline StepLayout check_step_inputs(at::TensorList params, at::TensorList sums, 
   return lay;
 }
 
+// sgd_step_'s `past`: [] or one tensor per parameter, shaped and typed like it, that receives the
+// parameter's old value.
+inline void check_past(at::TensorList params, at::TensorList past, c10::DeviceType device) {
+  if (past.empty()) return;
+  DPK_CHECK(past.size() == params.size(), "past must hold ", params.size(), " tensors or none, got ", past.size());
+  for (size_t l = 0; l < past.size(); ++l) {
+    DPK_CHECK(past[l].device().type() == device, "past[", l, "] is on ", past[l].device(), ", expected ", device);
+    DPK_CHECK(past[l].is_contiguous(), "past[", l, "] must be contiguous");
+    DPK_CHECK(past[l].numel() == params[l].numel(), "past[", l, "] has ", past[l].numel(), " elements, expected ",
+              params[l].numel());
+    DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ", past[l].scalar_type(),
+              ", expected the parameter's ", params[l].scalar_type());
+  }
+}
+
 // hyper lists in optim_math.h struct order; integer fields travel as exact floats.
 inline void check_hyper(at::ArrayRef<double> hyper, size_t n, const char* family) {
   DPK_CHECK(hyper.size() == n, family, " takes ", n, " hyper-parameters, got ", hyper.size());
