@@ -82,7 +82,10 @@ def _extensions():
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc/cpu").glob("*.cpp"))]
     include_dirs = [str(ROOT / "csrc/include")]
-    cxx = ["-O3", "-std=c++20", "-fopenmp", *_cpu_arch_flags()]
+    # -fno-math-errno: sqrt need not set errno, so loops calling it vectorise (same results). It must
+    # be a command-line flag: GCC fixes the builtins' attributes per translation unit, before any
+    # #pragma GCC optimize.
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", *_cpu_arch_flags()]
     extra = {"cxx": cxx}
     define_macros = []
     if build_cuda:

@@ -8,13 +8,14 @@
 // Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /
 // __fadd_rn there): GCC would otherwise contract the at::vec multiply and add into an FMA.
 #pragma GCC optimize("fp-contract=off")
+#include "dpkernels/filter.h"
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
 #include "dpkernels/dispatch.h"
-#include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"

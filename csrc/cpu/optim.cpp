@@ -12,9 +12,9 @@
 // (cpu::filter_chunk), in place in the chunk's buffer.
 //
 // Products and sums are rounded separately, as in the reference (no FMA contraction).
-// math-errno and trapping-math are off so that sqrt and the branch-free selects vectorise; they
-// change no result.
-#pragma GCC optimize("fp-contract=off", "no-math-errno", "no-trapping-math")
+// trapping-math is off here and math-errno in the whole build (setup.py) so that the loops with
+// sqrt and the selects of optim_math.h vectorise; neither changes a result.
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -157,94 +157,117 @@ double with_enum(int v, const F& fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Families: the element math of one chunk. Hyper-parameters are copied to locals so that the
-// compiler sees them as loop invariants (and the variant field as a constant).
+// Families: the element math of one chunk, as loops over __restrict arrays (function parameters:
+// GCC honours restrict there, so the loops vectorise without run-time alias checks). The
+// hyper-parameters are a local copy, loop invariants to the compiler, with the variant field set
+// from the template argument so that its branches fold away.
 // ---------------------------------------------------------------------------------------------
+
+void sgd_input_loop(const SgdHyper& h, int64_t m, const float* __restrict th, const float* __restrict S,
+                    const float* __restrict nu, float* __restrict x) {
+  for (int64_t i = 0; i < m; ++i) x[i] = sgd_input(h, S[i], nu[i], th[i]);
+}
+
+void sgd_apply_loop(const SgdHyper& h, int64_t m, float* __restrict th, const float* __restrict d) {
+  for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
+}
 
 struct SgdChunk {
   SgdHyper hyper;
   const FilterCoeffs& dir;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* __restrict th, const float* __restrict S,
-                  const float* __restrict nu, SumLanes&) const {
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+                  SumLanes&) const {
     const SgdHyper h = hyper;
     alignas(64) float d[kChunk];
-    for (int64_t i = 0; i < m; ++i) d[i] = sgd_input(h, S[i], nu[i], th[i]);
+    sgd_input_loop(h, m, th, S, nu, d);
     cpu::filter_chunk(dir, d, d, m, state, l, i0);
-    for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
+    sgd_apply_loop(h, m, th, d);
   }
 };
+
+template <Dp2Phase kPhase>
+void dp2_loop(const Dp2Hyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
+              const float* __restrict nu, float* __restrict G, const float* __restrict inv_d) {
+  Dp2Hyper h = hyper;
+  h.phase = static_cast<int>(kPhase);
+  for (int64_t i = 0; i < m; ++i) {
+    float g = kPhase == Dp2Phase::kSgd ? G[i] : 0.f;
+    th[i] = dp2_step(h, S[i], nu[i], th[i], g, kPhase == Dp2Phase::kAdaptive ? inv_d[i] : 0.f);
+    if constexpr (kPhase == Dp2Phase::kSgd) G[i] = g;
+  }
+}
 
 template <Dp2Phase kPhase>
 struct Dp2Chunk {
   Dp2Hyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* __restrict th, const float* __restrict S,
-                  const float* __restrict nu, SumLanes&) const {
-    Dp2Hyper h = hyper;
-    h.phase = static_cast<int>(kPhase);
-    float* __restrict G = state.at(0, l) + i0;
-    const float* __restrict inv_d = state.at(1, l) + i0;
-    for (int64_t i = 0; i < m; ++i) {
-      float g = kPhase == Dp2Phase::kSgd ? G[i] : 0.f;
-      th[i] = dp2_step(h, S[i], nu[i], th[i], g, kPhase == Dp2Phase::kAdaptive ? inv_d[i] : 0.f);
-      if constexpr (kPhase == Dp2Phase::kSgd) G[i] = g;
-    }
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+                  SumLanes&) const {
+    dp2_loop<kPhase>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0);
   }
 };
+
+// so: STP's clip scale (unused by the other variants).
+template <AdamVariant kVariant>
+void adam_loop(const AdamHyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
+               const float* __restrict nu, float* __restrict mo, float* __restrict vo, float* __restrict so) {
+  AdamHyper h = hyper;
+  h.variant = static_cast<int>(kVariant);
+  for (int64_t i = 0; i < m; ++i) {
+    float mi = mo[i], vi = vo[i], scale = 0.f;
+    th[i] = adam_step(h, S[i], nu[i], th[i], mi, vi, scale);
+    mo[i] = mi;
+    vo[i] = vi;
+    if constexpr (kVariant == AdamVariant::kSTP) so[i] = scale;
+  }
+}
 
 template <AdamVariant kVariant>
 struct AdamChunk {
   AdamHyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* __restrict th, const float* __restrict S,
-                  const float* __restrict nu, SumLanes&) const {
-    constexpr bool kStp = kVariant == AdamVariant::kSTP;
-    AdamHyper h = hyper;
-    h.variant = static_cast<int>(kVariant);
-    float* __restrict mo = state.at(0, l) + i0;
-    float* __restrict vo = state.at(1, l) + i0;
-    float* __restrict so = kStp ? state.at(2, l) + i0 : nullptr;
-    for (int64_t i = 0; i < m; ++i) {
-      float mi = mo[i], vi = vo[i], scale = 0.f;
-      th[i] = adam_step(h, S[i], nu[i], th[i], mi, vi, scale);
-      mo[i] = mi;
-      vo[i] = vi;
-      if constexpr (kStp) so[i] = scale;
-    }
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+                  SumLanes&) const {
+    float* so = kVariant == AdamVariant::kSTP ? state.at(2, l) + i0 : nullptr;
+    adam_loop<kVariant>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0, so);
   }
 };
+
+// root[i]: √ŝ of element i (0 when the step does not update ŝ).
+template <MacAdamBC kBC>
+void macadam_loop(const MacAdamHyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
+                  const float* __restrict nu, float* __restrict mo, float* __restrict vo,
+                  float* __restrict so, float* __restrict bo, float* __restrict ibo, float* __restrict sho,
+                  float* __restrict root) {
+  MacAdamHyper h = hyper;
+  h.bc = static_cast<int>(kBC);
+  for (int64_t i = 0; i < m; ++i) {
+    float mi = mo[i], vi = vo[i], si = so[i], bi = bo[i], ibi = ibo[i], shi = sho[i], r;
+    th[i] = macadam_step(h, S[i], nu[i], th[i], mi, vi, si, bi, ibi, shi, r);
+    mo[i] = mi;
+    vo[i] = vi;
+    so[i] = si;
+    bo[i] = bi;
+    ibo[i] = ibi;
+    sho[i] = shi;
+    root[i] = r;
+  }
+}
 
 template <MacAdamBC kBC>
 struct MacAdamChunk {
   MacAdamHyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* __restrict th, const float* __restrict S,
-                  const float* __restrict nu, SumLanes& acc) const {
-    MacAdamHyper h = hyper;
-    h.bc = static_cast<int>(kBC);
-    float* __restrict mo = state.at(0, l) + i0;
-    float* __restrict vo = state.at(1, l) + i0;
-    float* __restrict so = state.at(2, l) + i0;
-    float* __restrict bo = state.at(3, l) + i0;
-    float* __restrict ibo = state.at(4, l) + i0;
-    float* __restrict sho = state.at(5, l) + i0;
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+                  SumLanes& acc) const {
     alignas(64) float root[kChunk];
-    for (int64_t i = 0; i < m; ++i) {
-      float mi = mo[i], vi = vo[i], si = so[i], bi = bo[i], ibi = ibo[i], shi = sho[i], r;
-      th[i] = macadam_step(h, S[i], nu[i], th[i], mi, vi, si, bi, ibi, shi, r);
-      mo[i] = mi;
-      vo[i] = vi;
-      so[i] = si;
-      bo[i] = bi;
-      ibo[i] = ibi;
-      sho[i] = shi;
-      root[i] = r;
-    }
+    const auto buf = [&](int k) { return state.at(k, l) + i0; };
+    macadam_loop<kBC>(hyper, m, th, S, nu, buf(0), buf(1), buf(2), buf(3), buf(4), buf(5), root);
     acc.add(root, m);
   }
 };
@@ -253,13 +276,13 @@ struct MacAdamChunk {
 // Launchers
 // ---------------------------------------------------------------------------------------------
 
-void sgd_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::ArrayRef<double> dir_coeffs,
-                  at::TensorList past, at::TensorList noise, at::TensorList noise_state,
-                  at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed, int64_t step, int64_t stream,
-                  int64_t offset, at::ArrayRef<double> hyper) {
+void sgd_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state,
+                  at::ArrayRef<double> dir_coeffs, at::TensorList past, at::TensorList noise,
+                  at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                  int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   const FilterCoeffs dir = parse_filter_coeffs(dir_coeffs, "dir_coeffs");
-  const StepLayout lay = check_step_inputs(params, sums, state, dir.K, noise, noise_state, noise_coeffs, noise_std,
-                                           c10::DeviceType::CPU);
+  const StepLayout lay = check_step_inputs(params, sums, state, dir.K, noise, noise_state, noise_coeffs,
+                                           noise_std, c10::DeviceType::CPU);
   check_past(params, past, c10::DeviceType::CPU);
   const SgdHyper h = parse_sgd_hyper(hyper);
   const StepNoise nz(lay, noise, noise_state, noise_std, make_key(seed, step, stream));
@@ -267,44 +290,47 @@ void sgd_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList sta
   run_step(lay, params, sums, past, nz, offset, SgdChunk{h, dir, st});
 }
 
-void dp2_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                  at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed,
-                  int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
-  const StepLayout lay =
-      check_step_inputs(params, sums, state, 2, noise, noise_state, noise_coeffs, noise_std, c10::DeviceType::CPU);
-  const Dp2Hyper h = parse_dp2_hyper(hyper);
+// dp2_step_, adam_step_, macadam_step_: validation, then one pass of Chunk<variant> (E's value
+// `variant`, of N) over the list with n_state state buffers per parameter.
+template <template <auto> class Chunk, typename E, int N, typename Hyper>
+double family_step(const Hyper& h, int variant, int64_t n_state, at::TensorList params, at::TensorList sums,
+                   at::TensorList state, at::TensorList noise, at::TensorList noise_state,
+                   at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed, int64_t step,
+                   int64_t stream, int64_t offset) {
+  const StepLayout lay = check_step_inputs(params, sums, state, n_state, noise, noise_state, noise_coeffs,
+                                           noise_std, c10::DeviceType::CPU);
   const StepNoise nz(lay, noise, noise_state, noise_std, make_key(seed, step, stream));
   const cpu::BufferTable st(state, lay.L);
-  with_enum<Dp2Phase, 2>(h.phase, [&](auto phase) {
-    return run_step(lay, params, sums, {}, nz, offset, Dp2Chunk<decltype(phase)::value>{h, st});
+  return with_enum<E, N>(variant, [&](auto v) {
+    return run_step(lay, params, sums, {}, nz, offset, Chunk<decltype(v)::value>{h, st});
   });
+}
+
+void dp2_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
+                  at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                  int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+  const Dp2Hyper h = parse_dp2_hyper(hyper);
+  family_step<Dp2Chunk, Dp2Phase, 2>(h, h.phase, 2, params, sums, state, noise, noise_state, noise_coeffs,
+                                     noise_std, seed, step, stream, offset);
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed,
-                   int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                   int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   const AdamHyper h = parse_adam_hyper(hyper);
   const int64_t n_state = static_cast<AdamVariant>(h.variant) == AdamVariant::kSTP ? 3 : 2;
-  const StepLayout lay = check_step_inputs(params, sums, state, n_state, noise, noise_state, noise_coeffs, noise_std,
-                                           c10::DeviceType::CPU);
-  const StepNoise nz(lay, noise, noise_state, noise_std, make_key(seed, step, stream));
-  const cpu::BufferTable st(state, lay.L);
-  with_enum<AdamVariant, 3>(h.variant, [&](auto variant) {
-    return run_step(lay, params, sums, {}, nz, offset, AdamChunk<decltype(variant)::value>{h, st});
-  });
+  family_step<AdamChunk, AdamVariant, 3>(h, h.variant, n_state, params, sums, state, noise, noise_state,
+                                         noise_coeffs, noise_std, seed, step, stream, offset);
 }
 
-at::Tensor macadam_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                            at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
-                            int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
-  const StepLayout lay =
-      check_step_inputs(params, sums, state, 6, noise, noise_state, noise_coeffs, noise_std, c10::DeviceType::CPU);
+at::Tensor macadam_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state,
+                            at::TensorList noise, at::TensorList noise_state,
+                            at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed, int64_t step,
+                            int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   const MacAdamHyper h = parse_macadam_hyper(hyper);
-  const StepNoise nz(lay, noise, noise_state, noise_std, make_key(seed, step, stream));
-  const cpu::BufferTable st(state, lay.L);
-  const double total = with_enum<MacAdamBC, 3>(h.bc, [&](auto bc) {
-    return run_step(lay, params, sums, {}, nz, offset, MacAdamChunk<decltype(bc)::value>{h, st});
-  });
+  const double total =
+      family_step<MacAdamChunk, MacAdamBC, 3>(h, h.bc, 6, params, sums, state, noise, noise_state,
+                                              noise_coeffs, noise_std, seed, step, stream, offset);
   return at::scalar_tensor(total, at::dtype(at::kDouble));
 }
 
