@@ -82,9 +82,12 @@ def _extensions():
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc/cpu").glob("*.cpp"))]
     include_dirs = [str(ROOT / "csrc/include")]
-    # No FMA contraction: the element math rounds as written (and as the reference), the same in
-    # every translation unit whatever it inlines; SIMD kernels ask for FMAs explicitly.
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", *_cpu_arch_flags()]
+    # -ffp-contract=off: no FMA contraction, so the element math rounds as written (and as the
+    # reference), the same in every translation unit whatever it inlines; SIMD kernels ask for FMAs
+    # explicitly. -fno-math-errno: sqrt need not set errno, so loops calling it vectorise (same
+    # results); both must be command-line flags (GCC fixes the builtins' attributes per translation
+    # unit, before any #pragma GCC optimize).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_cpu_arch_flags()]
     extra = {"cxx": cxx}
     define_macros = []
     if build_cuda:

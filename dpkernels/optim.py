@@ -48,6 +48,13 @@ _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEPENDENT = [1.0, 1.0]  # filter coefficients [a, g] of independent noise: ν = std·z
 
 
+if _backend.has_cpu_kernels():
+    # The other three family ops mutate their arguments and return nothing: torch derives their fake kernels.
+    @torch.library.register_fake("dpkernels_C::macadam_step_")
+    def _(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper):
+        return params[0].new_empty((), dtype=torch.float64)
+
+
 def _filter_coeffs(co: dict) -> list[float]:
     return [co["a"], co["g"], *co["c"], *co["d"], *co["e"], *co["f"]]
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
 import dpkernels.optim as fused
 from dpkernels import BandedNoise, BLTNoise
@@ -186,3 +187,115 @@ def test_chacha20_noise_matches_reference(backend_device):
             opt.step()
     for a, b in zip(p_fused, p_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# The native family ops themselves (cpu/cuda backends)
+# --------------------------------------------------------------------------------------------
+
+# hyper lists in optim_math.h struct order (csrc/ops.cpp), step t = 3 where it matters.
+_SGD_HYPER = [0.2, 0.1, 0.01]
+_DP2_HYPER = [0.2, 0.1, 0.0]
+_ADAM_HYPER = [0.2, 1e-2, 0.9, 0.1, 0.999, 1e-3, 1 - 0.9**3, 1 - 0.999**3, 1 - 0.999**2, 1e-8, 1.0, 0.0, 0.0, 0.0, 0]
+_MACADAM_HYPER = [0.2, 1e-2, 0.9, 0.1, 0.999, 1e-3, 1 - 0.9**3, 1 - 0.999**3, 1e-8, 0.01, 1e-6, 1e-8, 10.0, 0.5, 3.0,
+                  1.0, 0]  # fmt: skip
+# One correlated-noise buffer: y = z + 0.5 N, N <- y.
+_NOISE_COEFFS = [1.0, 1.0, 0.5, 0.0, 1.0, 0.0]
+
+
+def _native_only(backend):
+    if backend not in ("cpu", "cuda"):
+        pytest.skip("the dpkernels_C family ops are the cpu/cuda backends' kernels")
+
+
+def _tensors(x) -> bool:
+    """Whether an op argument is a (non-empty) tensor list."""
+    return isinstance(x, list) and bool(x) and isinstance(x[0], Tensor)
+
+
+def _positive(shapes, device):
+    return [torch.rand(s, device=device) + 0.1 for s in shapes]
+
+
+def _family_args(family: str, device: str, shapes=((5, 3), (7,)), dtypes=(torch.float32, torch.bfloat16)):
+    """Positional arguments of ``family``'s op: in-pass correlated noise, every state buffer random."""
+    params = [torch.randn(s, device=device).to(dt) for s, dt in zip(shapes, dtypes, strict=True)]
+    sums = [torch.randn(s, device=device) for s in shapes]
+    noise_state = [torch.randn(s, device=device) for s in shapes]
+    tail = ([], noise_state, _NOISE_COEFFS, 0.7, 11, 3, 2, 5)
+    if family == "sgd":
+        momentum = [torch.randn(s, device=device) for s in shapes]
+        past = [torch.empty_like(p) for p in params]
+        return (params, sums, momentum, [1.0, 1.0, 0.9, 0.0, 1.0, 0.0], past, *tail, _SGD_HYPER)
+    if family == "dp2":
+        return (params, sums, [torch.randn(s, device=device) for s in shapes] + _positive(shapes, device), *tail,
+                _DP2_HYPER)  # fmt: skip
+    if family == "adam":
+        return (params, sums, [torch.randn(s, device=device) for s in shapes] + _positive(shapes, device), *tail,
+                _ADAM_HYPER)  # fmt: skip
+    b_u = _positive(shapes, device)
+    state = [torch.randn(s, device=device) for s in shapes] + _positive(shapes, device) + _positive(shapes, device)
+    state += b_u + [1 / b for b in b_u] + [torch.randn(s, device=device) for s in shapes]
+    return (params, sums, state, *tail, _MACADAM_HYPER)
+
+
+@pytest.mark.parametrize("family", ["sgd", "dp2", "adam", "macadam"])
+def test_family_op_opcheck(backend_device, family):
+    """Each family op passes torch.library.opcheck (schema mutation annotations, fake kernel, AOT dispatch)."""
+    backend, device = backend_device
+    _native_only(backend)
+    op = getattr(torch.ops.dpkernels_C, f"{family}_step_").default
+    results = torch.library.opcheck(
+        op, _family_args(family, device), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    )
+    assert all(v == "SUCCESS" for v in results.values()), results
+
+
+def test_macadam_sum_is_deterministic_across_threads(backend_device):
+    """The Σ√ŝ reduction of the CPU macadam_step_ is bitwise the same with 1 and 2 threads (and so is the state)."""
+    backend, device = backend_device
+    if backend != "cpu":
+        pytest.skip("thread counts are a CPU-kernel property")
+    shapes = ((40000,), (123, 257), (7,))  # several tasks (16384 elements each) and an odd tail
+    args = _family_args("macadam", device, shapes, (torch.float32, torch.bfloat16, torch.float32))
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            a = [[t.clone() for t in x] if _tensors(x) else x for x in args]
+            total = torch.ops.dpkernels_C.macadam_step_(*a)
+            runs.append((total, a))
+    finally:
+        torch.set_num_threads(threads)
+    (t1, a1), (t2, a2) = runs
+    assert t1.dtype == torch.float64 and t1.dim() == 0
+    assert torch.equal(t1, t2)
+    for x1, x2 in zip(a1, a2, strict=True):
+        if _tensors(x1):
+            for u, v in zip(x1, x2, strict=True):
+                assert torch.equal(u, v)
+    # The sum is Σ√ŝ = Σ b_u² over every updated element (b_u = ŝ^{1/4}, state slot 3).
+    L = len(shapes)
+    b_u = a1[2][3 * L : 4 * L]
+    want = sum((b.double() ** 2).sum() for b in b_u)
+    assert float(t1) > 0
+    torch.testing.assert_close(t1, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("family", ["sgd", "dp2", "adam", "macadam"])
+def test_family_op_rounds_16bit_params_once(backend_device, family, dtype):
+    """16-bit parameters: the fp32 update of the widened values, rounded once on store; the state is the fp32 run's."""
+    backend, device = backend_device
+    _native_only(backend)
+    shapes = ((37, 5), (1000,), (3,))  # partial SIMD vectors and several chunks
+    args = _family_args(family, device, shapes, (dtype,) * len(shapes))
+    args32 = [[t.float() if t.dtype == dtype else t.clone() for t in x] if _tensors(x) else x for x in args]
+    op = getattr(torch.ops.dpkernels_C, f"{family}_step_")
+    op(*args)
+    op(*args32)
+    for x16, x32 in zip(args, args32, strict=True):
+        if _tensors(x16):
+            for u, v in zip(x16, x32, strict=True):
+                assert torch.equal(u, v.to(u.dtype))

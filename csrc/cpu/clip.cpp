@@ -1,8 +1,8 @@
 // CPU kernels of the per-sample clipping ops (schemas in csrc/ops.cpp, math in clip_math.h).
 //
 // Both streaming ops cut the whole tensor list into tasks of bounded size and hand each thread
-// a contiguous run of tasks of about equal cost, so one call covers hundreds of tensors with a
-// single parallel region and no per-tensor dispatch.
+// a contiguous run of tasks of about equal cost (cpu::parallel_over_tasks, stream_cpu.h), so one
+// call covers hundreds of tensors with a single parallel region and no per-tensor dispatch.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -19,6 +19,7 @@
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
 #include "noise_cpu.h"
+#include "stream_cpu.h"
 
 namespace dpkernels {
 namespace {
@@ -42,28 +43,6 @@ inline std::pair<fVec, fVec> load_step(const scalar_t* p) {
   }
 }
 
-// Runs fn(first_task, last_task) on every thread over a contiguous run of tasks whose summed
-// cost is about 1/nthreads of the total. at::parallel_for alone splits by task count, which
-// leaves one thread with the big tensors when sizes are skewed.
-template <typename F>
-void parallel_over_tasks(const std::vector<int64_t>& cost, const F& fn) {
-  const int64_t n = static_cast<int64_t>(cost.size());
-  if (n == 0) return;
-  std::vector<int64_t> prefix(n + 1, 0);
-  for (int64_t t = 0; t < n; ++t) prefix[t + 1] = prefix[t] + cost[t];
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const auto bound = [&](int64_t q) {
-        return static_cast<int64_t>(std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * q / parts) -
-                                    prefix.begin());
-      };
-      const int64_t lo = p == 0 ? 0 : bound(p), hi = p == parts - 1 ? n : bound(p + 1);
-      if (lo < hi) fn(lo, hi);
-    }
-  });
-}
-
 // ---------------------------------------------------------------------------------------------
 // per_sample_sumsq: s[i, l] = Σ_e shift_scale(Σ_j α_j g_j[i, e])², squares accumulated in fp64.
 // ---------------------------------------------------------------------------------------------
@@ -71,21 +50,6 @@ void parallel_over_tasks(const std::vector<int64_t>& cost, const F& fn) {
 struct SumsqTask {
   int64_t l, i, begin, end;
 };
-
-// Adds the fp32 lanes of v to fp64 accumulators (kStep / dVec::size() of them).
-inline void widen_add(const fVec& v, dVec* d) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m256 x = v;
-  d[0] = d[0] + dVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-  d[1] = d[1] + dVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-#else
-  alignas(64) float f32[fVec::size()];
-  alignas(64) double f64[fVec::size()];
-  v.store(f32);
-  at::vec::convert(f32, f64, fVec::size());
-  for (int q = 0; q < fVec::size() / dVec::size(); ++q) d[q] = d[q] + dVec::loadu(f64 + q * dVec::size());
-#endif
-}
 
 // Loads kStep elements of Σ_j α_j g_j at offset e and applies shift/scale, as two fp32 vectors.
 template <typename scalar_t, bool kPlain, bool kShift, bool kScale>
@@ -154,7 +118,7 @@ double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, 
       acc[2] = at::vec::fmadd(v2, v2, acc[2]);
       acc[3] = at::vec::fmadd(v3, v3, acc[3]);
     }
-    for (const auto& a : acc) widen_add(a, dacc);
+    for (const auto& a : acc) cpu::widen_add(a, dacc);
   }
   alignas(64) double f64[fVec::size()];
   double total = 0.0;
@@ -182,7 +146,7 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
   const bool has_shift = !shift.empty(), has_scale = !scale.empty();
   // One set with coefficient 1 and no shift/scale (plain DP-SGD): the norm of the raw rows.
   const bool plain = lay.k == 1 && coeffs[0] == 1.0 && !has_shift && !has_scale;
-  parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
+  cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
     std::vector<const void*> rows(lay.k);
     for (int64_t t = t0; t < t1; ++t) {
       const SumsqTask& task = tasks[t];
@@ -357,7 +321,7 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
     }
   }
   const float* w = weights.const_data_ptr<float>();
-  parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
+  cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
     std::vector<const void*> bases(lay.k);
     for (int64_t t = t0; t < t1; ++t) {
       const SumTask& task = tasks[t];

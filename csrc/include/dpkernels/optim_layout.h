@@ -47,11 +47,13 @@ inline FilterCoeffs parse_filter_coeffs(at::ArrayRef<double> coeffs, const char*
 // device, contiguity, dtype and element count; `n_state` is the family's number of state buffers.
 inline StepLayout check_step_inputs(at::TensorList params, at::TensorList sums, at::TensorList state,
                                     int64_t n_state, at::TensorList noise, at::TensorList noise_state,
-                                    at::ArrayRef<double> noise_coeffs, double noise_std, c10::DeviceType device) {
+                                    at::ArrayRef<double> noise_coeffs, double noise_std,
+                                    c10::DeviceType device) {
   StepLayout lay;
   lay.L = static_cast<int64_t>(params.size());
   DPK_CHECK(lay.L > 0, "params must not be empty");
-  DPK_CHECK(static_cast<int64_t>(sums.size()) == lay.L, "sums must hold ", lay.L, " tensors, got ", sums.size());
+  DPK_CHECK(static_cast<int64_t>(sums.size()) == lay.L, "sums must hold ", lay.L, " tensors, got ",
+            sums.size());
   DPK_CHECK(static_cast<int64_t>(state.size()) == n_state * lay.L, "state must hold ", n_state, " x ", lay.L,
             " tensors (buffer-major), got ", state.size());
   DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
@@ -68,19 +70,38 @@ inline StepLayout check_step_inputs(at::TensorList params, at::TensorList sums, 
     DPK_CHECK(t.is_contiguous(), what, "[", idx, "] must be contiguous");
     DPK_CHECK(t.numel() == numel, what, "[", idx, "] has ", t.numel(), " elements, expected ", numel);
     DPK_CHECK(fp32 ? t.scalar_type() == at::kFloat : is_grad_type(t.scalar_type()), what, "[", idx,
-              "] has dtype ", t.scalar_type(), fp32 ? "; expected float32" : "; supported: float32, float16, bfloat16");
+              "] has dtype ", t.scalar_type(),
+              fp32 ? "; expected float32" : "; supported: float32, float16, bfloat16");
   };
   for (int64_t l = 0; l < lay.L; ++l) {
     lay.numel.push_back(params[l].numel());
     check(params[l], "params", l, lay.numel[l], false);
     check(sums[l], "sums", l, lay.numel[l], true);
     if (lay.given_noise) check(noise[l], "noise", l, lay.numel[l], true);
-    for (int64_t k = 0; k < n_state; ++k) check(state[k * lay.L + l], "state", k * lay.L + l, lay.numel[l], true);
+    for (int64_t k = 0; k < n_state; ++k)
+      check(state[k * lay.L + l], "state", k * lay.L + l, lay.numel[l], true);
     for (int k = 0; k < lay.noise_fc.K; ++k) {
       check(noise_state[k * lay.L + l], "noise_state", k * lay.L + l, lay.numel[l], true);
     }
   }
   return lay;
+}
+
+// sgd_step_'s `past`: [] or one tensor per parameter, shaped and typed like it, that receives the
+// parameter's old value.
+inline void check_past(at::TensorList params, at::TensorList past, c10::DeviceType device) {
+  if (past.empty()) return;
+  DPK_CHECK(past.size() == params.size(), "past must hold ", params.size(), " tensors or none, got ",
+            past.size());
+  for (size_t l = 0; l < past.size(); ++l) {
+    DPK_CHECK(past[l].device().type() == device, "past[", l, "] is on ", past[l].device(), ", expected ",
+              device);
+    DPK_CHECK(past[l].is_contiguous(), "past[", l, "] must be contiguous");
+    DPK_CHECK(past[l].numel() == params[l].numel(), "past[", l, "] has ", past[l].numel(),
+              " elements, expected ", params[l].numel());
+    DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ",
+              past[l].scalar_type(), ", expected the parameter's ", params[l].scalar_type());
+  }
 }
 
 // hyper lists in optim_math.h struct order; integer fields travel as exact floats.
@@ -115,9 +136,9 @@ inline MacAdamHyper parse_macadam_hyper(at::ArrayRef<double> h) {
   check_hyper(h, 17, "macadam_step_");
   DPK_CHECK(h[16] == 0 || h[16] == 1 || h[16] == 2, "macadam_step_: bc must be 0, 1 or 2, got ", h[16]);
   MacAdamHyper a{};
-  float* f[] = {&a.inv_b, &a.lr,        &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2,
-                &a.bc1,   &a.bc2,       &a.eps,   &a.noise_var,       &a.gamma, &a.h1,
-                &a.h2,    &a.kappa,     &a.c_total, &a.bscale};
+  float* f[] = {&a.inv_b, &a.lr,    &a.beta1,   &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2,
+                &a.bc1,   &a.bc2,   &a.eps,     &a.noise_var,       &a.gamma, &a.h1,
+                &a.h2,    &a.kappa, &a.c_total, &a.bscale};
   for (size_t i = 0; i < 16; ++i) *f[i] = static_cast<float>(h[i]);
   a.bc = static_cast<int>(h[16]);
   return a;

@@ -1,0 +1,156 @@
+// The streaming skeleton of the CPU kernels that make one pass over a whole tensor list: the
+// per-sample clipping ops (clip.cpp), linear_filter_ (filter.cpp) and the fused optimizer steps
+// (optim.cpp).
+//
+// A call's tensors are laid end to end in the global element index (offset + position in the
+// list, the index the Philox noise is keyed by, docs/RNG.md). The list is cut into tasks of at
+// most kTask elements of one tensor, and each thread takes a contiguous run of tasks of about
+// equal cost (parallel_over_tasks): one parallel region per call, however many tensors. A task is
+// walked in chunks of at most kChunk elements whose boundaries sit at multiples of kChunk of the
+// global index, so a chunk's noise is whole Philox runs (cpu::normals wastes nothing) and its
+// fp32 temporaries (noise, filter input and output) live in small stack buffers that stay in L1.
+//
+// filter_chunk() runs filter.h's step on at::vec lanes; its callers compile it without FMA
+// contraction (see filter.cpp) so that products and sums round as in the reference.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "dpkernels/filter.h"
+#include "noise_cpu.h"
+
+namespace dpkernels {
+namespace cpu {
+
+using Vec = at::vec::Vectorized<float>;
+using DVec = at::vec::Vectorized<double>;
+
+// Elements per chunk: whole Philox runs and whole SIMD vectors; 2 KiB per fp32 stack buffer.
+constexpr int64_t kChunk = 512;
+static_assert(kChunk % kRun == 0 && kChunk % Vec::size() == 0);
+// Elements per task: large enough to amortise the task, small enough to balance the threads.
+constexpr int64_t kTask = 32 * kChunk;
+// Fixed cost of a task, in elements, so that many tiny tensors are not counted as free.
+constexpr int64_t kTaskOverhead = 64;
+
+// Runs fn(first_task, last_task) on every thread over a contiguous run of tasks whose summed
+// cost is about 1/nthreads of the total. at::parallel_for alone splits by task count, which
+// leaves one thread with the big tensors when sizes are skewed.
+template <typename F>
+void parallel_over_tasks(const std::vector<int64_t>& cost, const F& fn) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  if (n == 0) return;
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t t = 0; t < n; ++t) prefix[t + 1] = prefix[t] + cost[t];
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const auto bound = [&](int64_t q) {
+        return static_cast<int64_t>(std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * q / parts) -
+                                    prefix.begin());
+      };
+      const int64_t lo = p == 0 ? 0 : bound(p), hi = p == parts - 1 ? n : bound(p + 1);
+      if (lo < hi) fn(lo, hi);
+    }
+  });
+}
+
+// Elements [begin, end) of tensor l.
+struct StreamTask {
+  int64_t l, begin, end;
+};
+
+// The tasks of one pass over tensors of numel[l] elements, the first at global index `offset`.
+// The decomposition depends on the sizes only, never on the thread count, so per-task partial
+// results summed in task order are deterministic.
+struct StreamPlan {
+  std::vector<StreamTask> tasks;
+  std::vector<int64_t> cost;
+  std::vector<int64_t> start;  // global index of tensor l's first element
+
+  StreamPlan(const std::vector<int64_t>& numel, int64_t offset) {
+    int64_t e = offset;
+    for (int64_t l = 0; l < static_cast<int64_t>(numel.size()); ++l) {
+      start.push_back(e);
+      for (int64_t i = 0; i < numel[l];) {
+        const int64_t end = std::min(numel[l], ((e + i) / kTask + 1) * kTask - e);
+        tasks.push_back({l, i, end});
+        cost.push_back(end - i + kTaskOverhead);
+        i = end;
+      }
+      e += numel[l];
+    }
+  }
+
+  // fn(t, task) for every task, spread over the threads by cost.
+  template <typename F>
+  void parallel(const F& fn) const {
+    parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fn(t, tasks[t]);
+    });
+  }
+
+  // fn(i0, m, e0) for the chunks of a task in order: elements [i0, i0 + m) of its tensor, m <=
+  // kChunk, e0 = the global index of element i0.
+  template <typename F>
+  void chunks(const StreamTask& task, const F& fn) const {
+    const int64_t s = start[task.l];
+    for (int64_t i = task.begin; i < task.end;) {
+      const int64_t end = std::min(task.end, ((s + i) / kChunk + 1) * kChunk - s);
+      fn(i, end - i, s + i);
+      i = end;
+    }
+  }
+};
+
+// A buffer-major tensor list of fp32 buffers (list[k * L + l] is buffer k of tensor l), as the
+// ops take their state and noise buffers.
+class BufferTable {
+ public:
+  BufferTable(at::TensorList list, int64_t L) : L_(L) {
+    for (const at::Tensor& t : list) ptr_.push_back(t.data_ptr<float>());
+  }
+  float* at(int64_t k, int64_t l) const { return ptr_[k * L_ + l]; }
+
+ private:
+  std::vector<float*> ptr_;
+  int64_t L_;
+};
+
+// y[0:m) = filter_step(fc, x[0:m)) on at::vec lanes, with the fc.K buffers of tensor l read and
+// written in place at elements [i0, i0 + m). x and y may be the same array.
+inline void filter_chunk(const FilterCoeffs& fc, const float* x, float* y, int64_t m, const BufferTable& bufs,
+                         int64_t l, int64_t i0) {
+  float* b[kMaxFilterBuffers];
+  for (int k = 0; k < fc.K; ++k) b[k] = bufs.at(k, l) + i0;
+  for (int64_t i = 0; i < m; i += Vec::size()) {
+    const int w = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
+    const auto load = [&](int k) { return Vec::loadu(b[k] + i, w); };
+    const auto store = [&](int k, Vec v) { v.store(b[k] + i, w); };
+    filter_step(fc, Vec::loadu(x + i, w), load, store).store(y + i, w);
+  }
+}
+
+// Adds the fp32 lanes of v to fp64 accumulators (Vec::size() / DVec::size() of them).
+inline void widen_add(const Vec& v, DVec* d) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 x = v;
+  d[0] = d[0] + DVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+  d[1] = d[1] + DVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+#else
+  alignas(64) float f32[Vec::size()];
+  alignas(64) double f64[Vec::size()];
+  v.store(f32);
+  at::vec::convert(f32, f64, Vec::size());
+  for (int q = 0; q < Vec::size() / DVec::size(); ++q) d[q] = d[q] + DVec::loadu(f64 + q * DVec::size());
+#endif
+}
+
+}  // namespace cpu
+}  // namespace dpkernels
