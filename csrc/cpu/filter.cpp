@@ -6,8 +6,7 @@
 // buffers being read and written in place; the chunk stays in L1 across the K buffers.
 //
 // Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /
-// __fadd_rn there): GCC would otherwise contract the at::vec multiply and add into an FMA.
-#pragma GCC optimize("fp-contract=off")
+// __fadd_rn there): the build's -ffp-contract=off keeps GCC from fusing them into FMAs.
 #include "dpkernels/filter.h"
 
 #include <ATen/ATen.h>

@@ -11,10 +11,10 @@
 // per-element dispatch; the sgd family's direction filter runs on at::vec lanes
 // (cpu::filter_chunk), in place in the chunk's buffer.
 //
-// Products and sums are rounded separately, as in the reference (no FMA contraction).
+// Products and sums are rounded separately, as in the reference (the build's -ffp-contract=off).
 // trapping-math is off here and math-errno in the whole build (setup.py) so that the loops with
 // sqrt and the selects of optim_math.h vectorise; neither changes a result.
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+#pragma GCC optimize("no-trapping-math")
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
