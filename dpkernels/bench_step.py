@@ -30,6 +30,7 @@ from . import _backend
 from .bench import BenchConfig, Provider, Shape, _stats, make_grad_samples, time_round_robin
 
 STEP_NUMEL = 4_500_000
+_ONE_MICROBATCH = torch.empty(0)
 SIGMA = 1.0
 SEED = 20261123
 STEP_TARGET_FLOOR = 2.0  # every fused step within 2x of its floor
@@ -89,6 +90,7 @@ def _opacus_adam_provider(numel: int) -> Provider:
     def prepare() -> None:
         for p, s in zip(params, sums, strict=True):
             p.summed_grad = s.detach()  # a fresh alias: Opacus tags what it has processed
+            p.grad_sample = _ONE_MICROBATCH  # scale_grad counts accumulated micro-batches from it
             p.grad = None
 
     def call() -> None:
