@@ -9,6 +9,7 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
   (docs/RNG.md; ``rng="chacha20"`` is the secure mode)
 - :func:`available_backends`
 - :func:`linear_filter_`, the generic fused IIR step; :class:`BLTNoise`, :class:`BandedNoise`
+- :mod:`optim`: the fused DP optimizers (DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, DP2, DPPMLF)
   (correlated noise for DP matrix factorisation, built on it)
 """
 
@@ -20,6 +21,10 @@ from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, p
 # Correlated noise and the generic filter step.
 from .correlated import BandedNoise, BLTNoise
 from .filter import linear_filter_
+
+# Fused DP optimizers (dpkernels.optim.DPSGD, DPAdam, ...); their pure-PyTorch twins are in
+# dpkernels.reference.optim.
+from . import optim  # noqa: E402  isort: skip
 
 __version__ = "0.1.0"
 
@@ -41,4 +46,5 @@ __all__ = [
     "BLTNoise",
     "BandedNoise",
     "linear_filter_",
+    "optim",
 ]
