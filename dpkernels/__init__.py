@@ -9,8 +9,8 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
   (docs/RNG.md; ``rng="chacha20"`` is the secure mode)
 - :func:`available_backends`
 - :func:`linear_filter_`, the generic fused IIR step; :class:`BLTNoise`, :class:`BandedNoise`
-- :mod:`optim`: the fused DP optimizers (DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, DP2, DPPMLF)
   (correlated noise for DP matrix factorisation, built on it)
+- :mod:`optim`: the fused DP optimizers (DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, DP2, DPPMLF)
 """
 
 from ._backend import BACKENDS, available_backends
