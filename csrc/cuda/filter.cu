@@ -67,8 +67,8 @@ void launch_filter(const std::vector<StreamItem>& items, const FilterCoeffs& fc,
                    FilterFlags fl) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for_each_stream_table(items, kFilterState + fc.K, [&](const StreamTable& tab, int64_t chunks, int64_t) {
-    filter_kernel<T><<<stream_grid(filter_kernel<T>, chunks), kStreamThreads, 0, stream>>>(tab, fc, chunks, key, s,
-                                                                                           fl);
+    filter_kernel<T>
+        <<<stream_grid(filter_kernel<T>, chunks), kStreamThreads, 0, stream>>>(tab, fc, chunks, key, s, fl);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

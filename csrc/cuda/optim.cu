@@ -84,8 +84,8 @@ struct SgdFamily {
   };
   static constexpr bool kSum = false;
   template <typename T>
-  __device__ __forceinline__ static void step(const Args& a, const BlockRef& b, int s0, const F4& S, const F4& nu,
-                                              F4& theta, double&) {
+  __device__ __forceinline__ static void step(const Args& a, const BlockRef& b, int s0, const F4& S,
+                                              const F4& nu, F4& theta, double&) {
     F4 x;
 #pragma unroll
     for (int j = 0; j < 4; ++j) x.v[j] = sgd_input(a.h, S.v[j], nu.v[j], theta.v[j]);
@@ -102,8 +102,8 @@ struct Dp2Family {
   using Args = Dp2Hyper;
   static constexpr bool kSum = false;
   template <typename T>
-  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S, const F4& nu,
-                                              F4& theta, double&) {
+  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S,
+                                              const F4& nu, F4& theta, double&) {
     const bool adaptive = static_cast<Dp2Phase>(h.phase) == Dp2Phase::kAdaptive;
     F4 G(0.f), inv_d(0.f);  // state [G, inv_d]: G is used in the SGD phase, inv_d in the adaptive one
     if (adaptive) {
@@ -121,12 +121,13 @@ struct AdamFamily {
   using Args = AdamHyper;
   static constexpr bool kSum = false;
   template <typename T>
-  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S, const F4& nu,
-                                              F4& theta, double&) {
+  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S,
+                                              const F4& nu, F4& theta, double&) {
     // state [m, v] or [m, v, scale] (STP); scale is only written.
     F4 m = b.load<float>(s0), v = b.load<float>(s0 + 1), scale(0.f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) theta.v[j] = adam_step(h, S.v[j], nu.v[j], theta.v[j], m.v[j], v.v[j], scale.v[j]);
+    for (int j = 0; j < 4; ++j)
+      theta.v[j] = adam_step(h, S.v[j], nu.v[j], theta.v[j], m.v[j], v.v[j], scale.v[j]);
     b.store<float>(s0, m);
     b.store<float>(s0 + 1, v);
     if (static_cast<AdamVariant>(h.variant) == AdamVariant::kSTP) b.store<float>(s0 + 2, scale);
@@ -137,8 +138,8 @@ struct MacAdamFamily {
   using Args = MacAdamHyper;
   static constexpr bool kSum = true;
   template <typename T>
-  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S, const F4& nu,
-                                              F4& theta, double& sum) {
+  __device__ __forceinline__ static void step(const Args& h, const BlockRef& b, int s0, const F4& S,
+                                              const F4& nu, F4& theta, double& sum) {
     // state [m, v, s, b_u, inv_bu, shift]; inv_bu is only written, b_u and inv_bu only when κ != 0.
     F4 m = b.load<float>(s0), v = b.load<float>(s0 + 1), s = b.load<float>(s0 + 2);
     F4 b_u = b.load<float>(s0 + 3), inv_bu(0.f), shift = b.load<float>(s0 + 5);
@@ -147,7 +148,8 @@ struct MacAdamFamily {
       Rn sqrt_s_hat;
       theta.v[j] = macadam_step(h, S.v[j], nu.v[j], theta.v[j], m.v[j], v.v[j], s.v[j], b_u.v[j], inv_bu.v[j],
                                 shift.v[j], sqrt_s_hat);
-      if (b.owns(j)) sum += static_cast<double>(sqrt_s_hat.v);  // lanes of other tensors are not elements
+      // Lanes of other tensors are not elements (branch-free: the branch made ptxas spill on sm_80).
+      sum += b.owns(j) ? static_cast<double>(sqrt_s_hat.v) : 0.0;
     }
     b.store<float>(s0, m);
     b.store<float>(s0 + 1, v);
@@ -209,12 +211,14 @@ struct StepTensors {
 // Validates the tensors shared by every family and launches Family's kernel once per parameter
 // dtype (and table); returns Σ√ŝ as a float64 scalar tensor for macadam, an undefined tensor else.
 template <typename Family>
-at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> noise_coeffs, double noise_std,
-                    int64_t seed, int64_t step, int64_t stream, int64_t offset, const typename Family::Args& args) {
-  static_assert(sizeof(StreamTable) + sizeof(FilterCoeffs) + sizeof(typename Family::Args) + kScalarArgBytes <=
+at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> noise_coeffs,
+                    double noise_std, int64_t seed, int64_t step, int64_t stream, int64_t offset,
+                    const typename Family::Args& args) {
+  static_assert(sizeof(StreamTable) + sizeof(FilterCoeffs) + sizeof(typename Family::Args) +
+                    kScalarArgBytes <=
                 kArgBytes);
-  const StepLayout lay = check_step_inputs(t.params, t.sums, t.state, n_state, t.noise, t.noise_state, noise_coeffs,
-                                           noise_std, c10::DeviceType::CUDA);
+  const StepLayout lay = check_step_inputs(t.params, t.sums, t.state, n_state, t.noise, t.noise_state,
+                                           noise_coeffs, noise_std, c10::DeviceType::CUDA);
   const NoiseKey key = make_key(seed, step, stream);
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   const c10::Device dev = common_device({t.params, t.sums, t.state, t.noise, t.noise_state, t.past});
@@ -250,18 +254,20 @@ at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> 
   for (size_t g = 0; g < groups.size(); ++g) {
     DPK_DISPATCH_GRAD_TYPES(kStreamTypes[g], "step", [&] {
       const auto kernel = step_kernel<scalar_t, Family>;
-      for_each_stream_table(groups[g], lists, [&](const StreamTable& tab, int64_t chunks, int64_t chunk_base) {
-        double* const out = partials_ptr != nullptr ? partials_ptr + group_base + chunk_base : nullptr;
-        kernel<<<stream_grid(kernel, chunks), kStreamThreads, 0, cuda_stream>>>(tab, lay.noise_fc, args, chunks, key,
-                                                                                 s, source, out);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      for_each_stream_table(
+          groups[g], lists, [&](const StreamTable& tab, int64_t chunks, int64_t chunk_base) {
+            double* const out = partials_ptr != nullptr ? partials_ptr + group_base + chunk_base : nullptr;
+            kernel<<<stream_grid(kernel, chunks), kStreamThreads, 0, cuda_stream>>>(
+                tab, lay.noise_fc, args, chunks, key, s, source, out);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
     });
     for (const StreamItem& it : groups[g]) group_base += stream_chunks(it);
   }
   if constexpr (Family::kSum) {
     at::Tensor total = at::empty({}, at::TensorOptions().dtype(at::kDouble).device(dev));
-    sum_partials_kernel<<<1, kStreamThreads, 0, cuda_stream>>>(partials_ptr, total_chunks, total.data_ptr<double>());
+    sum_partials_kernel<<<1, kStreamThreads, 0, cuda_stream>>>(partials_ptr, total_chunks,
+                                                               total.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return total;
   } else {
@@ -269,47 +275,49 @@ at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> 
   }
 }
 
-void sgd_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state, at::ArrayRef<double> dir_coeffs,
-                   at::TensorList past, at::TensorList noise, at::TensorList noise_state,
-                   at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed, int64_t step, int64_t stream,
-                   int64_t offset, at::ArrayRef<double> hyper) {
-  const SgdFamily::Args a{parse_sgd_hyper(hyper), parse_filter_coeffs(dir_coeffs, "dir_coeffs"), !past.empty()};
-  DPK_CHECK(past.empty() || past.size() == params.size(), "past must hold ", params.size(), " tensors or none, got ",
-            past.size());
+void sgd_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state,
+                   at::ArrayRef<double> dir_coeffs, at::TensorList past, at::TensorList noise,
+                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                   int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+  const SgdFamily::Args a{parse_sgd_hyper(hyper), parse_filter_coeffs(dir_coeffs, "dir_coeffs"),
+                          !past.empty()};
+  DPK_CHECK(past.empty() || past.size() == params.size(), "past must hold ", params.size(),
+            " tensors or none, got ", past.size());
   for (size_t l = 0; l < past.size(); ++l) {
     DPK_CHECK(past[l].device().type() == c10::DeviceType::CUDA, "past[", l, "] is on ", past[l].device(),
               ", expected cuda");
     DPK_CHECK(past[l].is_contiguous(), "past[", l, "] must be contiguous");
-    DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ", past[l].scalar_type(),
-              ", expected the parameter's ", params[l].scalar_type());
-    DPK_CHECK(past[l].numel() == params[l].numel(), "past[", l, "] has ", past[l].numel(), " elements, expected ",
-              params[l].numel());
+    DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ",
+              past[l].scalar_type(), ", expected the parameter's ", params[l].scalar_type());
+    DPK_CHECK(past[l].numel() == params[l].numel(), "past[", l, "] has ", past[l].numel(),
+              " elements, expected ", params[l].numel());
   }
-  run_step<SgdFamily>({params, sums, state, noise, noise_state, past}, a.dir.K, noise_coeffs, noise_std, seed, step,
-                      stream, offset, a);
+  run_step<SgdFamily>({params, sums, state, noise, noise_state, past}, a.dir.K, noise_coeffs, noise_std, seed,
+                      step, stream, offset, a);
 }
 
 void dp2_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed,
-                   int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
-  run_step<Dp2Family>({params, sums, state, noise, noise_state, {}}, 2, noise_coeffs, noise_std, seed, step, stream,
-                      offset, parse_dp2_hyper(hyper));
+                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                   int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+  run_step<Dp2Family>({params, sums, state, noise, noise_state, {}}, 2, noise_coeffs, noise_std, seed, step,
+                      stream, offset, parse_dp2_hyper(hyper));
 }
 
 void adam_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                    at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed,
-                    int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+                    at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
+                    int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   const AdamHyper h = parse_adam_hyper(hyper);
   const int64_t n_state = static_cast<AdamVariant>(h.variant) == AdamVariant::kSTP ? 3 : 2;
-  run_step<AdamFamily>({params, sums, state, noise, noise_state, {}}, n_state, noise_coeffs, noise_std, seed, step,
-                       stream, offset, h);
+  run_step<AdamFamily>({params, sums, state, noise, noise_state, {}}, n_state, noise_coeffs, noise_std, seed,
+                       step, stream, offset, h);
 }
 
-at::Tensor macadam_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
-                             at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
-                             int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
-  return run_step<MacAdamFamily>({params, sums, state, noise, noise_state, {}}, 6, noise_coeffs, noise_std, seed,
-                                 step, stream, offset, parse_macadam_hyper(hyper));
+at::Tensor macadam_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state,
+                             at::TensorList noise, at::TensorList noise_state,
+                             at::ArrayRef<double> noise_coeffs, double noise_std, int64_t seed, int64_t step,
+                             int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
+  return run_step<MacAdamFamily>({params, sums, state, noise, noise_state, {}}, 6, noise_coeffs, noise_std,
+                                 seed, step, stream, offset, parse_macadam_hyper(hyper));
 }
 
 }  // namespace

@@ -274,7 +274,8 @@ template <typename Kernel>
 unsigned stream_grid(Kernel kernel, int64_t chunks) {
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, 0));
-  const int64_t max_grid = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(1, per_sm);
+  const int64_t max_grid =
+      int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(1, per_sm);
   return static_cast<unsigned>(std::min(chunks, max_grid));
 }
 
