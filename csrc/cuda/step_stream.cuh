@@ -170,26 +170,13 @@ struct BlockRef {
   __device__ __forceinline__ bool owns(int j) const { return vec || (i0 + j >= 0 && i0 + j < n); }
 };
 
-__device__ __forceinline__ int find_stream_slot(const StreamTable& tab, int64_t c) {
-  int lo = 0, hi = tab.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tab.first_chunk[mid] <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 // Runs body(BlockRef, Philox block) on every Philox block of the launch, then chunk_done(c) once per
 // chunk c, by every thread of the CUDA block (so it may synchronise the block).
 template <typename Body, typename ChunkDone>
 __device__ __forceinline__ void stream_blocks(const StreamTable& tab, int64_t num_chunks, const Body& body,
                                               const ChunkDone& chunk_done) {
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
-    const int slot = find_stream_slot(tab, c);
+    const int slot = find_chunk_slot(tab.first_chunk, tab.count, c);
     const int64_t n = tab.numel[slot], e0 = tab.elem0[slot];
     const bool aligned = tab.aligned[slot] != 0;
     const uint64_t first_block = static_cast<uint64_t>(e0) / 4;
