@@ -121,19 +121,30 @@ __device__ __forceinline__ F4 load4(const T* p, int64_t i0, int64_t n, bool vec)
   return x;
 }
 
+// The 4 lanes rounded to T, as the bits of one vector access.
+template <typename T>
+__device__ __forceinline__ Raw4<T> pack4(const F4& x) {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(__float_as_uint(x.v[0].v), __float_as_uint(x.v[1].v), __float_as_uint(x.v[2].v),
+                      __float_as_uint(x.v[3].v));
+  } else {
+    uint32_t h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = static_cast<T>(x.v[j].v).x;  // c10::Half / c10::BFloat16 bits
+    return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void store4(T* p, int64_t i0, int64_t n, bool vec, const F4& x) {
-  T v[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = static_cast<T>(x.v[j].v);
   if (vec) {
-    Raw4<T> r;
-    memcpy(&r, v, sizeof(r));
-    *reinterpret_cast<Raw4<T>*>(p + i0) = r;
+    // __stwb (st.global.wb, the default caching) keeps it one access: nvcc splits a plain aggregate
+    // store into scalar ones when the element-wise path of the same call stores to the same place.
+    __stwb(reinterpret_cast<Raw4<T>*>(p + i0), pack4<T>(x));
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (i0 + j >= 0 && i0 + j < n) p[i0 + j] = v[j];
+      if (i0 + j >= 0 && i0 + j < n) p[i0 + j] = static_cast<T>(x.v[j].v);
     }
   }
 }
