@@ -175,16 +175,7 @@ __device__ __forceinline__ int find_slot(const NoiseTable<kSlots>& tab, int64_t 
   if constexpr (kSlots == 1) {
     return 0;
   } else {
-    int lo = 0, hi = tab.count - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tab.first_chunk[mid] <= c) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    return lo;
+    return find_chunk_slot(tab.first_chunk, tab.count, c);
   }
 }
 
