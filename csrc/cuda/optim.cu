@@ -281,17 +281,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList st
                    int64_t seed, int64_t step, int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   const SgdFamily::Args a{parse_sgd_hyper(hyper), parse_filter_coeffs(dir_coeffs, "dir_coeffs"),
                           !past.empty()};
-  DPK_CHECK(past.empty() || past.size() == params.size(), "past must hold ", params.size(),
-            " tensors or none, got ", past.size());
-  for (size_t l = 0; l < past.size(); ++l) {
-    DPK_CHECK(past[l].device().type() == c10::DeviceType::CUDA, "past[", l, "] is on ", past[l].device(),
-              ", expected cuda");
-    DPK_CHECK(past[l].is_contiguous(), "past[", l, "] must be contiguous");
-    DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ",
-              past[l].scalar_type(), ", expected the parameter's ", params[l].scalar_type());
-    DPK_CHECK(past[l].numel() == params[l].numel(), "past[", l, "] has ", past[l].numel(),
-              " elements, expected ", params[l].numel());
-  }
+  check_past(params, past, c10::DeviceType::CUDA);
   run_step<SgdFamily>({params, sums, state, noise, noise_state, past}, a.dir.K, noise_coeffs, noise_std, seed,
                       step, stream, offset, a);
 }
