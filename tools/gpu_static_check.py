@@ -11,8 +11,8 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    must use no local memory, and its aligned variants must load and store 128 bits wide. Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
-   in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, or a
-   compile error, fails the check. No ``.cu`` files, or no ``nvcc``, is reported as skipped.
+   in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any
+   kernel stack frame (local memory), or a compile error, fails the check. No ``.cu`` files, or no ``nvcc``, is reported as skipped.
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
 
@@ -413,6 +413,10 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
         k["entry"] = "registers" in r
         if r.get("spill_stores", 0) or r.get("spill_loads", 0):
             problems.append(f"{names[fn]} ({arch}) spills {r['spill_stores']} B stores / {r['spill_loads']} B loads")
+        if k["entry"] and r.get("stack", 0):
+            # A stack frame is local memory: e.g. sinf/cosf's Payne-Hanek slow path, which the shared
+            # sincos_2pi of philox.h avoids.
+            problems.append(f"{names[fn]} ({arch}) has a {r['stack']} B stack frame (local memory)")
         kernels.append(k)
     rec.update(ok=not problems, kernels=kernels, problems=problems)
     return rec
