@@ -12,7 +12,8 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
    in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any
-   kernel stack frame (local memory), or a compile error, fails the check. No ``.cu`` files, or no ``nvcc``, is reported as skipped.
+   kernel stack frame (local memory), or a compile error, fails the check. No ``.cu`` files, or
+   no ``nvcc``, is reported as skipped.
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
 
