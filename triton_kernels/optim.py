@@ -46,20 +46,24 @@ __all__ = ["sgd_step_", "dp2_step_", "adam_step_", "macadam_step_"]
 #: Elements per program and warps: those of linear_filter_ (one Philox block per GPU thread).
 STEP_BLOCK = FILTER_BLOCK
 STEP_NUM_WARPS = FILTER_NUM_WARPS
+#: Compile options of every launch: no FMA contraction, so each product and sum rounds as in the
+#: reference (tools/gpu_static_check.py compiles with the same options).
+STEP_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
+# Compile-time selectors (``tl.constexpr`` so the kernels can read them; the host passes ``.value``).
 #: ``FAMILY`` values.
-SGD, DP2, ADAM, MACADAM = 0, 1, 2, 3
+SGD, DP2, ADAM, MACADAM = (tl.constexpr(i) for i in range(4))
 #: ``NOISE`` values: no noise, pre-drawn ``ν``, in-pass Philox noise through the noise filter.
-NOISE_NONE, NOISE_GIVEN, NOISE_FILTER = 0, 1, 2
+NOISE_NONE, NOISE_GIVEN, NOISE_FILTER = (tl.constexpr(i) for i in range(3))
 #: ``FLAGS`` bits: sgd λ ≠ 0; adam decay ≠ 1; adam-STP ``1 − β₂^(t−1)`` ≠ 0; macadam κ ≠ 0.
-FLAG_WD, FLAG_DECAY, FLAG_PREV, FLAG_UPDATE_B = 0, 1, 2, 3
-#: optim_math.h ``Dp2Phase``, ``AdamVariant``, ``MacAdamBC``.
-DP2_ADAPTIVE = 1
-ADAM_BC, ADAM_STP = 1, 2
-MACADAM_BC_OFF, MACADAM_BC_PAPER = 0, 1
+FLAG_WD, FLAG_DECAY, FLAG_PREV, FLAG_UPDATE_B = (tl.constexpr(i) for i in range(4))
+#: optim_math.h ``Dp2Phase::kAdaptive``, ``AdamVariant::kBC``/``kSTP``, ``MacAdamBC::kOff``/``kPaper``.
+DP2_ADAPTIVE = tl.constexpr(1)
+ADAM_BC, ADAM_STP = tl.constexpr(1), tl.constexpr(2)
+MACADAM_BC_OFF, MACADAM_BC_PAPER = tl.constexpr(0), tl.constexpr(1)
 
-#: Family → (fp32 state buffers, hyper-parameters) in schema order (``csrc/ops.cpp``).
-_HYPER_LEN = {SGD: 3, DP2: 3, ADAM: 15, MACADAM: 17}
+#: Hyper-parameters per family (optim_math.h struct order, csrc/ops.cpp).
+_HYPER_LEN = {SGD.value: 3, DP2.value: 3, ADAM.value: 15, MACADAM.value: 17}
 
 
 # =============================================================================================
@@ -397,7 +401,7 @@ def _step(
         if not math.isfinite(h):
             raise ValueError(f"hyper[{i}] is not finite")
     counter = _check_counter(int(seed) & (2**64 - 1), step, stream, offset)  # the seed's 64 bits, unsigned
-    mode = NOISE_GIVEN if noise else NOISE_FILTER if (noise_std > 0 or NK) else NOISE_NONE
+    mode = NOISE_GIVEN.value if noise else NOISE_FILTER.value if (noise_std > 0 or NK) else NOISE_NONE.value
 
     groups: dict[tuple[torch.dtype, bool], list[tuple[int, int]]] = {}
     base = offset
@@ -409,7 +413,7 @@ def _step(
             key = (params[p].dtype, _aligned(tensors, n, base, params[p].element_size()))
             groups.setdefault(key, []).append((p, base))
         base += n
-    update_b = family == MACADAM and bool(flags >> FLAG_UPDATE_B & 1)
+    update_b = family == MACADAM.value and bool(flags >> FLAG_UPDATE_B.value & 1)
     if not groups:
         return torch.zeros((), dtype=torch.float64, device=device) if update_b else None
     block = INTERPRETER_NOISE_BLOCK if _interpreting() else STEP_BLOCK
@@ -454,7 +458,7 @@ def _step(
                 *(meta[x] for x in h), meta[key_h], meta[coeff_h], meta[hyper_h],
                 partial[first_tile:] if update_b else partial, noise_std, n_slots, **consts,
                 ELEM=_TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned, VEC=_VEC_BYTES // dtype.itemsize,
-                num_warps=STEP_NUM_WARPS, enable_fp_fusion=False,
+                num_warps=STEP_NUM_WARPS, **STEP_COMPILE_OPTIONS,
             )  # fmt: skip
     # Fixed order (tile order of the launches), whatever the thread count: deterministic.
     return partial.sum() if update_b else None
@@ -482,18 +486,18 @@ def sgd_step_(params, sums, state, dir_coeffs, past, noise, noise_state, noise_c
     """DP-SGD / PSAC / PMLF step: ``d = g·filter(g̃ + λθ)`` over the ``K_d`` direction buffers
     ``state`` (``dir_coeffs``), ``past[l] ← θ`` (old value) when given, ``θ ← θ − η d``.
     hyper: ``[1/B, η, λ]``."""
-    _check_hyper(hyper, SGD, "sgd_step_")
+    _check_hyper(hyper, SGD.value, "sgd_step_")
     K_d = _check_filter_coeffs(dir_coeffs, "dir_coeffs")
-    flags = (_f32(hyper[2]) != 0) << FLAG_WD
-    _step(SGD, params, sums, state, K_d, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
+    flags = (_f32(hyper[2]) != 0) << FLAG_WD.value
+    _step(SGD.value, params, sums, state, K_d, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
           hyper, flags=flags, dir_coeffs=[float(c) for c in dir_coeffs], past=past)  # fmt: skip
 
 
 def dp2_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
               hyper) -> None:  # fmt: skip
     """DP² step; ``state = [G, inv_d]``; hyper: ``[1/B, η, phase]`` (0: SGD phase, 1: adaptive)."""
-    phase = _check_hyper(hyper, DP2, "dp2_step_", (0, 1))
-    _step(DP2, params, sums, state, 2, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
+    phase = _check_hyper(hyper, DP2.value, "dp2_step_", (0, 1))
+    _step(DP2.value, params, sums, state, 2, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
           hyper, variant=phase)  # fmt: skip
 
 
@@ -501,9 +505,9 @@ def adam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std,
                hyper) -> None:  # fmt: skip
     """DP-Adam(W) / AdamBC / STP step; ``state = [m, v]`` (+ ``scale`` for STP); hyper: optim_math.h
     ``AdamHyper`` order (15 values, the last the variant 0/1/2)."""
-    variant = _check_hyper(hyper, ADAM, "adam_step_", (0, 1, 2))
-    flags = (_f32(hyper[10]) != 1) << FLAG_DECAY | (_f32(hyper[8]) != 0) << FLAG_PREV
-    _step(ADAM, params, sums, state, 3 if variant == ADAM_STP else 2, noise, noise_state, noise_coeffs, noise_std,
+    variant = _check_hyper(hyper, ADAM.value, "adam_step_", (0, 1, 2))
+    flags = (_f32(hyper[10]) != 1) << FLAG_DECAY.value | (_f32(hyper[8]) != 0) << FLAG_PREV.value
+    _step(ADAM.value, params, sums, state, 3 if variant == ADAM_STP.value else 2, noise, noise_state, noise_coeffs, noise_std,
           seed, step, stream, offset, hyper, variant=variant, flags=flags)  # fmt: skip
 
 
@@ -512,8 +516,8 @@ def macadam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_s
     """DP-MacAdam(-BC) step; ``state = [m, v, s, b_u, inv_bu, shift]``; hyper: optim_math.h
     ``MacAdamHyper`` order (17 values, the last ``bc`` 0/1/2). Returns ``Σ√ŝ`` over every element
     as a float64 scalar tensor (0 when κ = 0)."""
-    bc = _check_hyper(hyper, MACADAM, "macadam_step_", (0, 1, 2))
+    bc = _check_hyper(hyper, MACADAM.value, "macadam_step_", (0, 1, 2))
     update_b = _f32(hyper[13]) != 0
-    total = _step(MACADAM, params, sums, state, 6, noise, noise_state, noise_coeffs, noise_std, seed, step, stream,
-                  offset, hyper, variant=bc, flags=update_b << FLAG_UPDATE_B)  # fmt: skip
+    total = _step(MACADAM.value, params, sums, state, 6, noise, noise_state, noise_coeffs, noise_std, seed, step, stream,
+                  offset, hyper, variant=bc, flags=update_b << FLAG_UPDATE_B.value)  # fmt: skip
     return total if update_b else torch.zeros((), dtype=torch.float64, device=params[0].device)
