@@ -233,28 +233,30 @@ def _step_specs():
     momentum = [1.0, 1.0, 0.9, 0.0, 1.0, 0.0]
     # DP-PMLF with na = 2, nb = 1: m ring (oldest read, then overwritten with y), v̄ slot (= x).
     pmlf = [0.5, 2.0, -0.4, -0.2, 0.3, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
-    wd, decay, prev, upd = (1 << f.value for f in (to.FLAG_WD, to.FLAG_DECAY, to.FLAG_PREV, to.FLAG_UPDATE_B))
+    none = {}
+    wd, decay, prev, upd = ({"HAS_WD": True}, {"HAS_DECAY": True}, {"HAS_PREV": True}, {"UPDATE_B": True})
     fp32, bf16 = tl.float32, tl.bfloat16
     F = to.NOISE_FILTER.value
     sgd, dp2, adam, macadam = to.SGD.value, to.DP2.value, to.ADAM.value, to.MACADAM.value
     variants = [  # name, family, variant, flags, noise, noise coeffs, dir coeffs, past, elem, aligned
-        ("sgd", sgd, 0, 0, F, indep, indep, False, fp32, True),
+        ("sgd", sgd, 0, none, F, indep, indep, False, fp32, True),
         ("sgd momentum+wd bf16", sgd, 0, wd, F, indep, momentum, False, bf16, True),
-        ("pmlf blt", sgd, 0, 0, F, blt2, pmlf, True, fp32, True),
-        ("dp2 sgd-phase", dp2, 0, 0, F, indep, indep, False, fp32, True),
-        ("dp2 adaptive bf16", dp2, to.DP2_ADAPTIVE.value, 0, F, indep, indep, False, bf16, True),
+        ("pmlf blt", sgd, 0, none, F, blt2, pmlf, True, fp32, True),
+        ("dp2 sgd-phase", dp2, 0, none, F, indep, indep, False, fp32, True),
+        ("dp2 adaptive bf16", dp2, to.DP2_ADAPTIVE.value, none, F, indep, indep, False, bf16, True),
         ("adamw", adam, 0, decay, F, indep, indep, False, fp32, True),
-        ("adam-bc bf16", adam, to.ADAM_BC.value, 0, F, indep, indep, False, bf16, True),
+        ("adam-bc bf16", adam, to.ADAM_BC.value, none, F, indep, indep, False, bf16, True),
         ("stp blt", adam, to.ADAM_STP.value, prev, F, blt2, indep, False, fp32, True),
-        ("adam pre-drawn", adam, 0, 0, to.NOISE_GIVEN.value, indep, indep, False, fp32, True),
-        ("adam unaligned", adam, 0, 0, F, indep, indep, False, fp32, False),
+        ("adam pre-drawn", adam, 0, none, to.NOISE_GIVEN.value, indep, indep, False, fp32, True),
+        ("adam unaligned", adam, 0, none, F, indep, indep, False, fp32, False),
         ("macadam", macadam, 0, upd, F, indep, indep, False, fp32, True),
         ("macadam-bc-b2 blt bf16", macadam, 2, upd, F, blt2, indep, False, bf16, True),
     ]
     specs = []
     for name, family, variant, flags, noise, ncoeffs, dcoeffs, past, elem, aligned in variants:
         consts = dict(
-            FAMILY=family, VARIANT=variant, FLAGS=flags, NOISE=noise, **to._filter_consts(ncoeffs, "N"),
+            FAMILY=family, VARIANT=variant, HAS_WD=False, HAS_DECAY=False, HAS_PREV=False, UPDATE_B=False,
+            **flags, NOISE=noise, **to._filter_consts(ncoeffs, "N"),
             **to._filter_consts(dcoeffs, "D"), HAS_PAST=past, ELEM=elem, BLOCK=to.STEP_BLOCK, ALIGNED=aligned,
             VEC=128 // elem.primitive_bitwidth,
         )  # fmt: skip

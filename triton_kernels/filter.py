@@ -152,10 +152,7 @@ def _filter_kernel(
     (seed low, seed high, step, stream); ``coeff_bits``: fp32 bits of ``[a, g, c.., d.., e.., f..]``.
     """
     t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
-    if NOISE:
-        x = std * _normals(bases, t, start, key, BLOCK)
-    else:
-        x = tl.zeros([BLOCK], dtype=tl.float32)
+    x = std * _normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_IN:
         x_in = tl.load(_typed_ptr(in_ptrs, t, ELEM, ALIGNED) + idx, mask=mask, other=0.0).to(tl.float32)
         x = x_in + x if NOISE else x_in

@@ -17,11 +17,12 @@ epilogue. Per element:
   direction filter (``DK`` buffers, same ``_filter``) on ``g̃ + λθ``; ``macadam`` also writes, per
   program, the float64 sum of ``√ŝ`` over its elements, which the host sums in a fixed order.
 
-Which scalar branches exist is compile-time (``FLAGS``: weight decay, decoupled decay, STP's
-``v̂_{t−1}``, MacAdam's ``b`` update), as are the family variant (Adam/BC/STP, DP² phase,
-MacAdam's bias correction) and the filters' term masks (``filter.py``). Filter coefficients and
-hyper-parameters travel as fp32 bit patterns in the int64 metadata tensor (exactly the fp32
-values the C++ kernels use), so compiled kernels do not specialise on their values. Divisions
+Which scalar branches exist is compile-time (``HAS_WD``: sgd's λ ≠ 0, ``HAS_DECAY``: Adam's
+1 − ηλ ≠ 1, ``HAS_PREV``: STP's 1 − β₂^(t−1) ≠ 0, ``UPDATE_B``: MacAdam's κ ≠ 0), as are the
+family variant (Adam/BC/STP, DP² phase, MacAdam's bias correction) and the filters' term masks
+(``filter.py``). Filter coefficients and hyper-parameters travel as fp32 bit patterns in the
+int64 metadata tensor (exactly the fp32 values the C++ kernels use), so compiled kernels do not
+specialise on their values. Divisions
 and square roots are IEEE (``tl.div_rn``, ``tl.sqrt_rn``, as torch) and the kernels are compiled
 without FMA contraction (``enable_fp_fusion=False``, as the CPU kernels), so each operation rounds
 like the reference's.
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
-from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, _aligned, _bit, _bits, _filter, _normals, _tile
+from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, _aligned, _bits, _filter, _normals, _tile
 from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
 
 __all__ = ["sgd_step_", "dp2_step_", "adam_step_", "macadam_step_"]
@@ -55,8 +56,6 @@ STEP_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 SGD, DP2, ADAM, MACADAM = (tl.constexpr(i) for i in range(4))
 #: ``NOISE`` values: no noise, pre-drawn ``ν``, in-pass Philox noise through the noise filter.
 NOISE_NONE, NOISE_GIVEN, NOISE_FILTER = (tl.constexpr(i) for i in range(3))
-#: ``FLAGS`` bits: sgd λ ≠ 0; adam decay ≠ 1; adam-STP ``1 − β₂^(t−1)`` ≠ 0; macadam κ ≠ 0.
-FLAG_WD, FLAG_DECAY, FLAG_PREV, FLAG_UPDATE_B = (tl.constexpr(i) for i in range(4))
 #: optim_math.h ``Dp2Phase::kAdaptive``, ``AdamVariant::kBC``/``kSTP``, ``MacAdamBC::kOff``/``kPaper``.
 DP2_ADAPTIVE = tl.constexpr(1)
 ADAM_BC, ADAM_STP = tl.constexpr(1), tl.constexpr(2)
@@ -77,10 +76,10 @@ def _h(hyper, j):
 
 
 @triton.jit
-def _sgd_input(hyper, S, nu, theta, FLAGS: tl.constexpr):
+def _sgd_input(hyper, S, nu, theta, HAS_WD: tl.constexpr):
     """``sgd_input``: ``x = (S + ν)·(1/B) (+ λθ)``, the direction filter's input."""
     g = (S + nu) * _h(hyper, 0)
-    if _bit(FLAGS, FLAG_WD):
+    if HAS_WD:
         g = g + _h(hyper, 2) * theta
     return g
 
@@ -117,14 +116,14 @@ def _recip(x):
 
 
 @triton.jit
-def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, FLAGS: tl.constexpr):
+def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_PREV: tl.constexpr):
     """``adam_step``: ``(θ', m', v', scale')`` (``scale'`` is STP's next clip scale; other variants
     return ``v'`` in its place, unused).
 
     hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1−β₁^t, 1−β₂^t, 1−β₂^(t−1), ε, 1−ηλ, Φ, γ', ε₁, variant."""
     if VARIANT == ADAM_STP:
         # Noise in the scaled space, un-scaled by √v̂_{t−1} + ε₁ (v̂_0 = 0).
-        if _bit(FLAGS, FLAG_PREV):
+        if HAS_PREV:
             nu = (tl.sqrt_rn(tl.div_rn(v, tl.zeros_like(v) + _h(hyper, 8))) + _h(hyper, 13)) * nu
         else:
             nu = _h(hyper, 13) * nu
@@ -136,13 +135,13 @@ def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, FLAGS: tl.const
     scale = v
     if VARIANT == ADAM_STP:
         scale = _recip(tl.sqrt_rn(v_hat) + _h(hyper, 13))
-    if _bit(FLAGS, FLAG_DECAY):
+    if HAS_DECAY:
         theta = theta * _h(hyper, 10)
     return theta - tl.div_rn(_h(hyper, 1) * m_hat, denom), m, v, scale
 
 
 @triton.jit
-def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.constexpr, FLAGS: tl.constexpr):
+def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.constexpr, UPDATE_B: tl.constexpr):
     """``macadam_step``: ``(θ', m', v', s', b_u', inv_bu', shift', √ŝ)`` (``√ŝ`` = 0, ``b_u`` and
     ``inv_bu`` unchanged without the ``b`` update, κ = 0).
 
@@ -154,16 +153,13 @@ def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.const
     if BC == MACADAM_BC_OFF:
         denom = tl.sqrt_rn(v_hat) + _h(hyper, 8)
     else:
-        if BC == MACADAM_BC_PAPER:
-            phi = tl.zeros_like(b) + _h(hyper, 9)
-        else:
-            phi = b * b * _h(hyper, 9)
+        phi = tl.zeros_like(b) + _h(hyper, 9) if BC == MACADAM_BC_PAPER else b * b * _h(hyper, 9)
         denom = _floor_sqrt(v_hat - phi, _h(hyper, 10))
     theta = theta - tl.div_rn(_h(hyper, 1) * m_hat, denom)
     dev = g - m_hat
     s = _h(hyper, 2) * s + _h(hyper, 3) * (dev * dev)
     sqrt_s_hat = tl.zeros_like(s)
-    if _bit(FLAGS, FLAG_UPDATE_B):
+    if UPDATE_B:
         s_hat = tl.div_rn(s, tl.zeros_like(s) + _h(hyper, 13)) - b * b * _h(hyper, 9)
         s_hat = tl.where(s_hat < _h(hyper, 11), _h(hyper, 11), s_hat)  # torch.clamp: a NaN stays NaN
         s_hat = tl.where(s_hat > _h(hyper, 12), _h(hyper, 12), s_hat)
@@ -205,7 +201,10 @@ def _step_kernel(
     T,
     FAMILY: tl.constexpr,
     VARIANT: tl.constexpr,
-    FLAGS: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    UPDATE_B: tl.constexpr,
     NOISE: tl.constexpr,
     NK: tl.constexpr,
     NC_BITS: tl.constexpr,
@@ -256,7 +255,7 @@ def _step_kernel(
     if FAMILY == SGD:
         if HAS_PAST:
             tl.store(_typed_ptr(past_ptrs, t, ELEM, ALIGNED) + idx, theta_stored, mask=mask)
-        x = _sgd_input(hyper, S, nu, theta, FLAGS)
+        x = _sgd_input(hyper, S, nu, theta, HAS_WD)
         d = _filter(x, state_ptrs, T, t, idx, mask, coeff_bits, 2 + 4 * NK, DK, DC_BITS, DD_BITS, DE_BITS, DF_BITS,
                     DW_BITS, D_HAS_A, ALIGNED)  # fmt: skip
         theta = theta - _h(hyper, 1) * d
@@ -272,7 +271,7 @@ def _step_kernel(
     elif FAMILY == ADAM:
         p_m, m = _state(state_ptrs, 0, T, t, idx, mask, ALIGNED)
         p_v, v = _state(state_ptrs, 1, T, t, idx, mask, ALIGNED)
-        theta, m, v, scale = _adam_math(hyper, S, nu, theta, m, v, VARIANT, FLAGS)
+        theta, m, v, scale = _adam_math(hyper, S, nu, theta, m, v, VARIANT, HAS_DECAY, HAS_PREV)
         tl.store(p_m, m, mask=mask)
         tl.store(p_v, v, mask=mask)
         if VARIANT == ADAM_STP:
@@ -285,13 +284,13 @@ def _step_kernel(
         p_shift, shift = _state(state_ptrs, 5, T, t, idx, mask, ALIGNED)
         # inv_bu is only written (with the b update).
         theta, m, v, s, b_u, inv_bu, shift, sqrt_s_hat = _macadam_math(
-            hyper, S, nu, theta, m, v, s, b_u, b_u, shift, VARIANT, FLAGS
+            hyper, S, nu, theta, m, v, s, b_u, b_u, shift, VARIANT, UPDATE_B
         )
         tl.store(p_m, m, mask=mask)
         tl.store(p_v, v, mask=mask)
         tl.store(p_s, s, mask=mask)
         tl.store(p_shift, shift, mask=mask)
-        if _bit(FLAGS, FLAG_UPDATE_B):
+        if UPDATE_B:
             tl.store(p_b, b_u, mask=mask)
             tl.store(_typed_ptr(state_ptrs, 4 * T + t, tl.float32, ALIGNED) + idx, inv_bu, mask=mask)
             partial = tl.sum(tl.where(mask, sqrt_s_hat, 0.0).to(tl.float64), axis=0)
@@ -315,7 +314,8 @@ def _filter_consts(coeffs: Sequence[float], prefix: str) -> dict:
     c, d, e, f = (coeffs[2 + i * K : 2 + (i + 1) * K] for i in range(4))
     w = [0.0 if (d[k], e[k], f[k]) == (1.0, 0.0, 0.0) else 1.0 for k in range(K)]
     bits = {"C": c, "D": d, "E": e, "F": f, "W": w}
-    return {f"{prefix}K": K, f"{prefix}_HAS_A": coeffs[0] != 0, **{f"{prefix}{n}_BITS": _bits(v) for n, v in bits.items()}}
+    masks = {f"{prefix}{n}_BITS": _bits(v) for n, v in bits.items()}
+    return {f"{prefix}K": K, f"{prefix}_HAS_A": coeffs[0] != 0, **masks}
 
 
 def _check_filter_coeffs(coeffs: Sequence[float], what: str) -> int:
@@ -362,12 +362,13 @@ def _step(
     hyper: Sequence[float],
     *,
     variant: int = 0,
-    flags: int = 0,
+    flags: dict | None = None,
     dir_coeffs: Sequence[float] = (),
     past: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor | None:
-    """Validate (as ``optim_layout.h``'s ``check_step_inputs``), group and launch; returns the
-    float64 ``Σ√ŝ`` for macadam (``FLAG_UPDATE_B``), else None."""
+    """Validate (as ``optim_layout.h``'s ``check_step_inputs``), group and launch; ``flags``: the
+    kernel's ``HAS_*``/``UPDATE_B`` switches that are on. Returns the float64 ``Σ√ŝ`` for macadam
+    with ``UPDATE_B``, else None."""
     params, sums, state, noise, noise_state, past = map(list, (params, sums, state, noise, noise_state, past))
     L = len(params)
     if not L:
@@ -413,7 +414,8 @@ def _step(
             key = (params[p].dtype, _aligned(tensors, n, base, params[p].element_size()))
             groups.setdefault(key, []).append((p, base))
         base += n
-    update_b = family == MACADAM.value and bool(flags >> FLAG_UPDATE_B.value & 1)
+    flags = {"HAS_WD": False, "HAS_DECAY": False, "HAS_PREV": False, "UPDATE_B": False, **(flags or {})}
+    update_b = flags["UPDATE_B"]
     if not groups:
         return torch.zeros((), dtype=torch.float64, device=device) if update_b else None
     block = INTERPRETER_NOISE_BLOCK if _interpreting() else STEP_BLOCK
@@ -449,7 +451,7 @@ def _step(
     meta.finish(device)
     partial = torch.empty(total_tiles if update_b else 1, dtype=torch.float64, device=device)
     consts = dict(
-        FAMILY=family, VARIANT=variant, FLAGS=flags, NOISE=mode, **_filter_consts(noise_coeffs, "N"),
+        FAMILY=family, VARIANT=variant, **flags, NOISE=mode, **_filter_consts(noise_coeffs, "N"),
         **_filter_consts(dir_coeffs if dir_coeffs else [1.0, 1.0], "D"), HAS_PAST=bool(past),
     )  # fmt: skip
     with _device_guard(device):
@@ -488,9 +490,9 @@ def sgd_step_(params, sums, state, dir_coeffs, past, noise, noise_state, noise_c
     hyper: ``[1/B, η, λ]``."""
     _check_hyper(hyper, SGD.value, "sgd_step_")
     K_d = _check_filter_coeffs(dir_coeffs, "dir_coeffs")
-    flags = (_f32(hyper[2]) != 0) << FLAG_WD.value
-    _step(SGD.value, params, sums, state, K_d, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
-          hyper, flags=flags, dir_coeffs=[float(c) for c in dir_coeffs], past=past)  # fmt: skip
+    noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
+    flags = {"HAS_WD": _f32(hyper[2]) != 0}
+    _step(SGD.value, params, sums, state, K_d, *noise_args, flags=flags, dir_coeffs=list(dir_coeffs), past=past)
 
 
 def dp2_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
@@ -506,9 +508,10 @@ def adam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std,
     """DP-Adam(W) / AdamBC / STP step; ``state = [m, v]`` (+ ``scale`` for STP); hyper: optim_math.h
     ``AdamHyper`` order (15 values, the last the variant 0/1/2)."""
     variant = _check_hyper(hyper, ADAM.value, "adam_step_", (0, 1, 2))
-    flags = (_f32(hyper[10]) != 1) << FLAG_DECAY.value | (_f32(hyper[8]) != 0) << FLAG_PREV.value
-    _step(ADAM.value, params, sums, state, 3 if variant == ADAM_STP.value else 2, noise, noise_state, noise_coeffs, noise_std,
-          seed, step, stream, offset, hyper, variant=variant, flags=flags)  # fmt: skip
+    flags = {"HAS_DECAY": _f32(hyper[10]) != 1, "HAS_PREV": _f32(hyper[8]) != 0}
+    noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
+    n_state = 3 if variant == ADAM_STP.value else 2
+    _step(ADAM.value, params, sums, state, n_state, *noise_args, variant=variant, flags=flags)
 
 
 def macadam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
@@ -518,6 +521,6 @@ def macadam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_s
     as a float64 scalar tensor (0 when κ = 0)."""
     bc = _check_hyper(hyper, MACADAM.value, "macadam_step_", (0, 1, 2))
     update_b = _f32(hyper[13]) != 0
-    total = _step(MACADAM.value, params, sums, state, 6, noise, noise_state, noise_coeffs, noise_std, seed, step, stream,
-                  offset, hyper, variant=bc, flags=update_b << FLAG_UPDATE_B.value)  # fmt: skip
+    noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
+    total = _step(MACADAM.value, params, sums, state, 6, *noise_args, variant=bc, flags={"UPDATE_B": update_b})
     return total if update_b else torch.zeros((), dtype=torch.float64, device=params[0].device)
