@@ -1036,8 +1036,9 @@ class DPPMLF(DPOptimizer):
                 m = m - a_tau * st["m_hist"][tau]
             for tau, b_tau in enumerate(b[1:]):
                 m = m + b_tau * st["vbar_hist"][tau]
-            st["m_hist"] = torch.cat([m.unsqueeze(0), st["m_hist"][:-1]])
-            st["vbar_hist"] = torch.cat([vbar.unsqueeze(0), st["vbar_hist"][:-1]])
+            # Shift in the newest; [:n] keeps an empty history (na or nb = 0) empty.
+            st["m_hist"] = torch.cat([m.unsqueeze(0), st["m_hist"]])[: len(a)]
+            st["vbar_hist"] = torch.cat([vbar.unsqueeze(0), st["vbar_hist"]])[: len(b) - 1]
             if self.k > 1:
                 st["past"] = torch.cat([p.detach().clone().unsqueeze(0), st["past"][:-1]])
             self._write(p, p.to(m.dtype) - group["lr"] * (m / c_t))
