@@ -254,9 +254,9 @@ def _step_specs():
     ]
     specs = []
     for name, family, variant, flags, noise, ncoeffs, dcoeffs, past, elem, aligned in variants:
+        switches = {**to.SWITCHES_OFF, **flags}
         consts = dict(
-            FAMILY=family, VARIANT=variant, HAS_WD=False, HAS_DECAY=False, HAS_PREV=False, UPDATE_B=False,
-            **flags, NOISE=noise, **to._filter_consts(ncoeffs, "N"),
+            FAMILY=family, VARIANT=variant, **switches, NOISE=noise, **to._filter_consts(ncoeffs, "N"),
             **to._filter_consts(dcoeffs, "D"), HAS_PAST=past, ELEM=elem, BLOCK=to.STEP_BLOCK, ALIGNED=aligned,
             VEC=128 // elem.primitive_bitwidth,
         )  # fmt: skip

@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
-from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
-from .philox import box_muller, philox4x32_10
+from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tile, _tile_normals, _tiles
 
 #: Elements per program and warps: one Philox block (4 elements) per GPU thread; 2048 made ptxas spill
 #: in the unaligned variant on sm_80 (tools/gpu_static_check.py).
@@ -40,36 +39,6 @@ FILTER_NUM_WARPS = 8
 @triton.jit
 def _bit(bits: tl.constexpr, k: tl.constexpr):
     return ((bits >> k) & 1) != 0
-
-
-@triton.jit
-def _tile(tile_slot, tile_start, numels, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
-    """``(t, start, idx, mask)`` of this program's tile (``noise._tiles``): tensor slot, first local
-    element, the ``BLOCK`` local indices and which of them exist."""
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(tile_slot + pid)
-    start = tl.load(tile_start + pid)
-    n = tl.load(numels + t)
-    if ALIGNED:
-        start = tl.multiple_of(start, VEC)
-        n = tl.multiple_of(n, VEC)
-    idx = start + tl.arange(0, BLOCK)
-    return t, start, idx, (idx < n) & (idx >= 0)
-
-
-@triton.jit
-def _normals(bases, t, start, key, BLOCK: tl.constexpr):
-    """The Philox normals ``z`` of the tile's ``BLOCK`` global elements ``bases[t] + start + i``
-    (``start + bases[t]`` is a multiple of 4), in element order; ``key`` = (seed low, seed high,
-    step, stream)."""
-    blocks = ((tl.load(bases + t) + start) >> 2) + tl.arange(0, BLOCK // 4)
-    c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (blocks >> 32).to(tl.uint32)
-    c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
-    c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
-    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
-    z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
-    return tl.reshape(tl.join(z_first, z_second), [BLOCK])
 
 
 @triton.jit
@@ -152,7 +121,7 @@ def _filter_kernel(
     (seed low, seed high, step, stream); ``coeff_bits``: fp32 bits of ``[a, g, c.., d.., e.., f..]``.
     """
     t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
-    x = std * _normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
+    x = std * _tile_normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_IN:
         x_in = tl.load(_typed_ptr(in_ptrs, t, ELEM, ALIGNED) + idx, mask=mask, other=0.0).to(tl.float32)
         x = x_in + x if NOISE else x_in

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
-from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, _aligned, _bits, _filter, _normals, _tile
-from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
+from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, _aligned, _bits, _filter
+from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tile, _tile_normals, _tiles
 
 __all__ = ["sgd_step_", "dp2_step_", "adam_step_", "macadam_step_"]
 
@@ -60,6 +60,9 @@ NOISE_NONE, NOISE_GIVEN, NOISE_FILTER = (tl.constexpr(i) for i in range(3))
 DP2_ADAPTIVE = tl.constexpr(1)
 ADAM_BC, ADAM_STP = tl.constexpr(1), tl.constexpr(2)
 MACADAM_BC_OFF, MACADAM_BC_PAPER = tl.constexpr(0), tl.constexpr(1)
+
+#: The kernel's scalar-branch switches, all off (each family's launcher turns its own on).
+SWITCHES_OFF = {"HAS_WD": False, "HAS_DECAY": False, "HAS_PREV": False, "UPDATE_B": False}
 
 #: Hyper-parameters per family (optim_math.h struct order, csrc/ops.cpp).
 _HYPER_LEN = {SGD.value: 3, DP2.value: 3, ADAM.value: 15, MACADAM.value: 17}
@@ -242,7 +245,7 @@ def _step_kernel(
     if NOISE == NOISE_GIVEN:
         nu = tl.load(_typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     elif NOISE == NOISE_FILTER:
-        z = _normals(bases, t, start, key, BLOCK)
+        z = _tile_normals(bases, t, start, key, BLOCK)
         nu = std * _filter(z, noise_state_ptrs, T, t, idx, mask, coeff_bits, 0, NK, NC_BITS, ND_BITS, NE_BITS,
                            NF_BITS, NW_BITS, N_HAS_A, ALIGNED)  # fmt: skip
     else:
@@ -414,7 +417,7 @@ def _step(
             key = (params[p].dtype, _aligned(tensors, n, base, params[p].element_size()))
             groups.setdefault(key, []).append((p, base))
         base += n
-    flags = {"HAS_WD": False, "HAS_DECAY": False, "HAS_PREV": False, "UPDATE_B": False, **(flags or {})}
+    flags = {**SWITCHES_OFF, **(flags or {})}
     update_b = flags["UPDATE_B"]
     if not groups:
         return torch.zeros((), dtype=torch.float64, device=device) if update_b else None
