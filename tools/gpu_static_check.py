@@ -2,13 +2,15 @@
 
 Compiles the real GPU code ahead of time and inspects what the compilers produced:
 
-1. Every Triton kernel in ``triton_kernels/clip.py``, ``noise.py`` and ``filter.py`` goes through
+1. Every Triton kernel in ``triton_kernels/clip.py``, ``noise.py``, ``filter.py`` and ``optim.py`` goes through
    ``triton.compile`` with an ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming
    kernel (the two that read the ``B×D`` per-sample gradients) fails the check unless its PTX has
    128-bit global loads (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. The noise
    kernel must use no local memory in any variant, and its aligned variants must store with
    128-bit vectors (and load with them when adding in place). The filter kernel (linear_filter_)
-   must use no local memory, and its aligned variants must load and store 128 bits wide. Registers and spills come from
+   must use no local memory, and its aligned variants must load and store 128 bits wide; so must the fused
+   optimizer step kernel (stores: in its fp32-parameter variants), compiled with the options its launcher
+   passes (no FMA contraction). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
    in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, or a
