@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import dpkernels
 import dpkernels.optim as fused
 from dpkernels import BandedNoise, BLTNoise
 from dpkernels.reference import optim as ref
@@ -299,3 +300,43 @@ def test_family_op_rounds_16bit_params_once(backend_device, family, dtype):
         if _tensors(x16):
             for u, v in zip(x16, x32, strict=True):
                 assert torch.equal(u, v.to(u.dtype))
+
+
+@pytest.mark.skipif("triton" not in dpkernels.available_backends("cpu"), reason="triton backend not available")
+def test_triton_step_ops_reject_bad_inputs():
+    """The Triton launchers validate like optim_layout.h's check_step_inputs, with a clear message."""
+    from triton_kernels import optim as tk
+
+    p, s = [torch.zeros(8)], [torch.zeros(8)]
+    adam = [0.2, 0.01, 0.9, 0.1, 0.999, 0.001, 0.1, 0.001, 0.0, 1e-8, 1.0, 0.0, 0.0, 0.0, 0.0]
+    st = [torch.zeros(8), torch.zeros(8)]
+    noise = ([], [], [1.0, 1.0], 0.5, -5, 1, 0, 0)  # seed -5: a signed int64 is accepted
+    with pytest.raises(ValueError, match="state must hold 2 tensors"):
+        tk.adam_step_(p, s, st[:1], *noise, adam)
+    with pytest.raises(TypeError, match=r"sums\[0\] has dtype torch.float16"):
+        tk.adam_step_(p, [s[0].half()], st, *noise, adam)
+    with pytest.raises(ValueError, match=r"params\[0\] must be contiguous"):
+        tk.adam_step_([torch.zeros(4, 4).t()], [torch.zeros(16)], [torch.zeros(16)] * 2, *noise, adam)
+    with pytest.raises(ValueError, match=r"sums\[0\] has 7 elements, expected 8"):
+        tk.adam_step_(p, [torch.zeros(7)], st, *noise, adam)
+    with pytest.raises(ValueError, match="takes 15 hyper-parameters"):
+        tk.adam_step_(p, s, st, *noise, adam[:-1])
+    with pytest.raises(ValueError, match=r"hyper\[14\] must be one of"):
+        tk.adam_step_(p, s, st, *noise, [*adam[:-1], 3.0])
+    with pytest.raises(ValueError, match="noise_std must be finite"):
+        tk.adam_step_(p, s, st, [], [], [1.0, 1.0], float("nan"), 1, 1, 0, 0, adam)
+    with pytest.raises(ValueError, match="pre-drawn noise cannot be combined"):
+        tk.dp2_step_(p, s, st, [torch.zeros(8)], [torch.zeros(8)], [1.0, 1.0, 0.5, 1.0, 0.0, 0.0], 0.0, 1, 1, 0, 0,
+                     [0.2, 0.1, 0.0])  # fmt: skip
+    with pytest.raises(ValueError, match=r"dir_coeffs must hold 2 \+ 4K values"):
+        tk.sgd_step_(p, s, [], [1.0], [], *noise, [0.2, 0.1, 0.0])
+    with pytest.raises(TypeError, match=r"past\[0\] has dtype torch.bfloat16"):
+        tk.sgd_step_(p, s, [], [1.0, 1.0], [torch.zeros(8, dtype=torch.bfloat16)], *noise, [0.2, 0.1, 0.0])
+    # Valid calls run: nothing drawn with no noise (θ = −η·S/B exactly); κ = 0 returns a zero sum.
+    S = torch.arange(8.0)
+    theta = torch.zeros(8)
+    tk.sgd_step_([theta], [S], [], [1.0, 1.0], [], [], [], [1.0, 1.0], 0.0, 1, 1, 0, 0, [0.5, 0.1, 0.0])
+    assert torch.equal(theta, -(0.1 * (S * 0.5)))
+    mac = [0.2, 0.01, 0.9, 0.1, 0.999, 0.001, 0.1, 0.001, 1e-8, 0.0, 1e-8, 1e-8, 10.0, 0.0, 0.0, 1.0, 0.0]
+    total = tk.macadam_step_(p, s, [torch.ones(8) for _ in range(6)], *noise, mac)
+    assert total.dtype == torch.float64 and total.item() == 0.0

@@ -2,13 +2,15 @@
 
 Compiles the real GPU code ahead of time and inspects what the compilers produced:
 
-1. Every Triton kernel in ``triton_kernels/clip.py``, ``noise.py`` and ``filter.py`` goes through
+1. Every Triton kernel in ``triton_kernels/clip.py``, ``noise.py``, ``filter.py`` and ``optim.py`` goes through
    ``triton.compile`` with an ``ASTSource`` for ``GPUTarget("cuda", 80|90, 32)``. A streaming
    kernel (the two that read the ``B×D`` per-sample gradients) fails the check unless its PTX has
    128-bit global loads (``ld.global*.v4.b32`` / ``.v2.b64``) and no local memory. The noise
    kernel must use no local memory in any variant, and its aligned variants must store with
    128-bit vectors (and load with them when adding in place). The filter kernel (linear_filter_)
-   must use no local memory, and its aligned variants must load and store 128 bits wide. Registers and spills come from
+   must use no local memory, and its aligned variants must load and store 128 bits wide; so must the fused
+   optimizer step kernel (stores: in its fp32-parameter variants), compiled with the options its launcher
+   passes (no FMA contraction). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
    in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any
@@ -50,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCHS = (80, 90)
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
 NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
-FILTER_KERNELS = ("_filter_kernel",)
+FILTER_KERNELS = ("_filter_kernel", "_step_kernel")
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -71,9 +73,12 @@ def _requirements(kernel: str, consts: dict) -> dict:
         aligned = bool(consts.get("ALIGNED"))
         return {"loads_128": aligned and consts["MODE"] == 2, "stores_128": aligned, "no_local": True}
     if kernel in FILTER_KERNELS:
-        # Every variant reads and writes fp32 state buffers; aligned ones must do so 128 bits wide.
+        # Every variant reads and writes fp32 state buffers; aligned ones must do so 128 bits wide
+        # (the optimizer steps: stores too when the parameters are fp32; a bf16 DP² adaptive step
+        # writes nothing but the 16-bit parameters).
         aligned = bool(consts.get("ALIGNED"))
-        return {"loads_128": aligned, "stores_128": aligned, "no_local": True}
+        fp32 = consts.get("ELEM") is None or consts["ELEM"].primitive_bitwidth == 32
+        return {"loads_128": aligned, "stores_128": aligned and (kernel == "_filter_kernel" or fp32), "no_local": True}
     return {"loads_128": False, "stores_128": False, "no_local": False}
 
 
@@ -212,6 +217,53 @@ def _triton_specs():
             VEC=128 // elem.primitive_bitwidth,
         )  # fmt: skip
         specs.append((tf._filter_kernel, variant, filter_sig, consts, tf.FILTER_NUM_WARPS))
+    specs += _step_specs()
+    return specs
+
+
+def _step_specs():
+    """The fused optimizer steps (triton_kernels/optim.py): every family and variant, independent
+    (Philox), correlated (BLT noise buffers) and pre-drawn noise, fp32 and bf16 parameters."""
+    import triton.language as tl
+
+    from triton_kernels import optim as to
+
+    tables = ("param_ptrs", "sum_ptrs", "state_ptrs", "past_ptrs", "noise_ptrs", "noise_state_ptrs", "numels", "bases")
+    sig = {n: "*i64" for n in (*tables, "tile_slot", "tile_start", "key", "coeff_bits", "hyper")}
+    sig.update(partial_ptr="*fp64", std="fp32", T="i32")
+    indep = [1.0, 1.0]
+    blt2 = [1.0, 1.0, -0.3, -0.1, 0.9, 0.5, 1.0, 1.0, 0.0, 0.0]  # c, d, e ≠ 0 on 2 buffers (BLTNoise)
+    momentum = [1.0, 1.0, 0.9, 0.0, 1.0, 0.0]
+    # DP-PMLF with na = 2, nb = 1: m ring (oldest read, then overwritten with y), v̄ slot (= x).
+    pmlf = [0.5, 2.0, -0.4, -0.2, 0.3, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    none = {}
+    wd, decay, prev, upd = ({"HAS_WD": True}, {"HAS_DECAY": True}, {"HAS_PREV": True}, {"UPDATE_B": True})
+    fp32, bf16 = tl.float32, tl.bfloat16
+    F = to.NOISE_FILTER.value
+    sgd, dp2, adam, macadam = to.SGD.value, to.DP2.value, to.ADAM.value, to.MACADAM.value
+    variants = [  # name, family, variant, flags, noise, noise coeffs, dir coeffs, past, elem, aligned
+        ("sgd", sgd, 0, none, F, indep, indep, False, fp32, True),
+        ("sgd momentum+wd bf16", sgd, 0, wd, F, indep, momentum, False, bf16, True),
+        ("pmlf blt", sgd, 0, none, F, blt2, pmlf, True, fp32, True),
+        ("dp2 sgd-phase", dp2, 0, none, F, indep, indep, False, fp32, True),
+        ("dp2 adaptive bf16", dp2, to.DP2_ADAPTIVE.value, none, F, indep, indep, False, bf16, True),
+        ("adamw", adam, 0, decay, F, indep, indep, False, fp32, True),
+        ("adam-bc bf16", adam, to.ADAM_BC.value, none, F, indep, indep, False, bf16, True),
+        ("stp blt", adam, to.ADAM_STP.value, prev, F, blt2, indep, False, fp32, True),
+        ("adam pre-drawn", adam, 0, none, to.NOISE_GIVEN.value, indep, indep, False, fp32, True),
+        ("adam unaligned", adam, 0, none, F, indep, indep, False, fp32, False),
+        ("macadam", macadam, 0, upd, F, indep, indep, False, fp32, True),
+        ("macadam-bc-b2 blt bf16", macadam, 2, upd, F, blt2, indep, False, bf16, True),
+    ]
+    specs = []
+    for name, family, variant, flags, noise, ncoeffs, dcoeffs, past, elem, aligned in variants:
+        switches = {**to.SWITCHES_OFF, **flags}
+        consts = dict(
+            FAMILY=family, VARIANT=variant, **switches, NOISE=noise, **to._filter_consts(ncoeffs, "N"),
+            **to._filter_consts(dcoeffs, "D"), HAS_PAST=past, ELEM=elem, BLOCK=to.STEP_BLOCK, ALIGNED=aligned,
+            VEC=128 // elem.primitive_bitwidth,
+        )  # fmt: skip
+        specs.append((to._step_kernel, name, sig, consts, to.STEP_NUM_WARPS))
     return specs
 
 
@@ -241,7 +293,11 @@ def _triton_worker(archs: list[int]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton_kernels.optim import STEP_COMPILE_OPTIONS
+
     ptxas = triton.knobs.nvidia.ptxas.path
+    # Launch options besides num_warps, per kernel (the ones its launcher passes).
+    extra_options = {"_step_kernel": STEP_COMPILE_OPTIONS}
     results = []
     with tempfile.TemporaryDirectory(prefix="dpk_static_") as tmp:
         for fn, variant, sig, consts, num_warps in _triton_specs():
@@ -263,7 +319,8 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 t0 = time.perf_counter()
                 try:
                     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+                    options = {"num_warps": num_warps, **extra_options.get(fn.__name__, {})}
+                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
                 except Exception as exc:  # a kernel that does not compile is a failed check
                     rec.update(ok=False, problems=[f"compile error: {type(exc).__name__}: {str(exc)[:1500]}"])
                     results.append(rec)

@@ -27,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta
-from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tiles
-from .philox import box_muller, philox4x32_10
+from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
+from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tile, _tile_normals, _tiles
 
 #: Elements per program and warps: one Philox block (4 elements) per GPU thread; 2048 made ptxas spill
 #: in the unaligned variant on sm_80 (tools/gpu_static_check.py).
@@ -40,6 +39,49 @@ FILTER_NUM_WARPS = 8
 @triton.jit
 def _bit(bits: tl.constexpr, k: tl.constexpr):
     return ((bits >> k) & 1) != 0
+
+
+@triton.jit
+def _filter(
+    x,
+    state_ptrs,
+    T,
+    t,
+    idx,
+    mask,
+    coeff_bits,
+    C0: tl.constexpr,
+    K: tl.constexpr,
+    C_BITS: tl.constexpr,
+    D_BITS: tl.constexpr,
+    E_BITS: tl.constexpr,
+    F_BITS: tl.constexpr,
+    W_BITS: tl.constexpr,
+    HAS_A: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """filter.h's ``filter_step`` on one tile: ``y = a x + Σ c_k S_k``, ``S_k ← d_k S_k + e_k y + f_k x``
+    for the updated buffers; returns ``g·y``. Buffer ``k`` of slot ``t`` is the fp32 tensor at
+    ``state_ptrs[k·T + t]``; the coefficients ``[a, g, c.., d.., e.., f..]`` are the fp32 bits at
+    ``coeff_bits[C0:]``; the ``*_BITS`` masks say which terms exist (see the module docstring)."""
+    y = _load_coeff(coeff_bits, C0) * x if HAS_A else tl.zeros_like(x)
+    for k in tl.static_range(K):
+        if _bit(C_BITS, k):
+            p = _typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
+            y = y + _load_coeff(coeff_bits, C0 + 2 + k) * tl.load(p + idx, mask=mask, other=0.0)
+    for k in tl.static_range(K):
+        if _bit(W_BITS, k):
+            p = _typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
+            if _bit(D_BITS, k):
+                v = _load_coeff(coeff_bits, C0 + 2 + K + k) * tl.load(p + idx, mask=mask, other=0.0)
+            else:
+                v = tl.zeros_like(x)
+            if _bit(E_BITS, k):
+                v = v + _load_coeff(coeff_bits, C0 + 2 + 2 * K + k) * y
+            if _bit(F_BITS, k):
+                v = v + _load_coeff(coeff_bits, C0 + 2 + 3 * K + k) * x
+            tl.store(p + idx, v, mask=mask)
+    return _load_coeff(coeff_bits, C0 + 1) * y
 
 
 @triton.jit
@@ -78,61 +120,15 @@ def _filter_kernel(
     ``t`` at ``k·T + t`` (fp32); ``tile_slot``/``tile_start`` as in ``noise._noise_kernel``; ``key``:
     (seed low, seed high, step, stream); ``coeff_bits``: fp32 bits of ``[a, g, c.., d.., e.., f..]``.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(tile_slot + pid)
-    start = tl.load(tile_start + pid)
-    n = tl.load(numels + t)
-    if ALIGNED:
-        start = tl.multiple_of(start, VEC)
-        n = tl.multiple_of(n, VEC)
-    idx = start + tl.arange(0, BLOCK)
-    mask = (idx < n) & (idx >= 0)
-
-    if NOISE:
-        base = tl.load(bases + t)
-        blocks = ((base + start) >> 2) + tl.arange(0, BLOCK // 4)
-        c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
-        c1 = (blocks >> 32).to(tl.uint32)
-        c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
-        c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
-        w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
-        z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
-        x = std * tl.reshape(tl.join(z_first, z_second), [BLOCK])
-    else:
-        x = tl.zeros([BLOCK], dtype=tl.float32)
+    t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
+    x = std * _tile_normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_IN:
-        p_in = tl.load(in_ptrs + t).to(tl.pointer_type(ELEM))
-        if ALIGNED:
-            p_in = tl.multiple_of(p_in, 16)
-        x_in = tl.load(p_in + idx, mask=mask, other=0.0).to(tl.float32)
+        x_in = tl.load(_typed_ptr(in_ptrs, t, ELEM, ALIGNED) + idx, mask=mask, other=0.0).to(tl.float32)
         x = x_in + x if NOISE else x_in
-
-    y = _load_coeff(coeff_bits, 0) * x if HAS_A else tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.static_range(K):
-        if _bit(C_BITS, k):
-            p = tl.load(state_ptrs + k * T + t).to(tl.pointer_type(tl.float32))
-            if ALIGNED:
-                p = tl.multiple_of(p, 16)
-            y = y + _load_coeff(coeff_bits, 2 + k) * tl.load(p + idx, mask=mask, other=0.0)
-    for k in tl.static_range(K):
-        if _bit(W_BITS, k):
-            p = tl.load(state_ptrs + k * T + t).to(tl.pointer_type(tl.float32))
-            if ALIGNED:
-                p = tl.multiple_of(p, 16)
-            if _bit(D_BITS, k):
-                v = _load_coeff(coeff_bits, 2 + K + k) * tl.load(p + idx, mask=mask, other=0.0)
-            else:
-                v = tl.zeros([BLOCK], dtype=tl.float32)
-            if _bit(E_BITS, k):
-                v = v + _load_coeff(coeff_bits, 2 + 2 * K + k) * y
-            if _bit(F_BITS, k):
-                v = v + _load_coeff(coeff_bits, 2 + 3 * K + k) * x
-            tl.store(p + idx, v, mask=mask)
+    res = _filter(x, state_ptrs, T, t, idx, mask, coeff_bits, 0, K, C_BITS, D_BITS, E_BITS, F_BITS, W_BITS, HAS_A,
+                  ALIGNED)  # fmt: skip
     if HAS_OUT:
-        p_out = tl.load(out_ptrs + t).to(tl.pointer_type(ELEM))
-        if ALIGNED:
-            p_out = tl.multiple_of(p_out, 16)
-        res = _load_coeff(coeff_bits, 1) * y
+        p_out = _typed_ptr(out_ptrs, t, ELEM, ALIGNED)
         if ACCUMULATE:
             res = tl.load(p_out + idx, mask=mask, other=0.0).to(tl.float32) + res
         tl.store(p_out + idx, _round_to(res, ELEM), mask=mask)

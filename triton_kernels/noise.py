@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from .chacha import box_muller64, chacha20_block
-from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta
+from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta, _typed_ptr
 from .philox import MASK32, box_muller, philox4x32_10
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +118,54 @@ def _round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _tile(tile_slot, tile_start, numels, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """``(t, start, idx, mask)`` of this program's tile (see ``_tiles``): tensor slot, first local
+    element, the ``BLOCK`` local indices and which of them exist. ``ALIGNED``: ``start`` and the
+    tensor's numel are multiples of ``VEC`` (and ``start >= 0``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(tile_slot + pid)
+    start = tl.load(tile_start + pid)
+    n = tl.load(numels + t)
+    if ALIGNED:
+        start = tl.multiple_of(start, VEC)
+        n = tl.multiple_of(n, VEC)
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < n
+    if not ALIGNED:
+        mask = mask & (idx >= 0)
+    return t, start, idx, mask
+
+
+@triton.jit
+def _philox_words(bases, t, start, key, BLOCK: tl.constexpr):
+    """The four Philox words ``[BLOCK/4]`` each of the tile's blocks: global elements
+    ``bases[t] + start + [0, BLOCK)`` (a multiple of 4 first), 4 per block; ``key`` = (seed low,
+    seed high, step, stream)."""
+    blocks = ((tl.load(bases + t) + start) >> 2) + tl.arange(0, BLOCK // 4)
+    c0 = (blocks & MASK32).to(tl.uint32)
+    c1 = (blocks >> 32).to(tl.uint32)
+    c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
+    c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
+    return philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
+
+
+@triton.jit
+def _normals(w0, w1, w2, w3, BLOCK: tl.constexpr):
+    """The tile's ``BLOCK`` normals in element order from its Philox words (``_philox_words``)."""
+    # Both Box-Muller pairs at once on [BLOCK/4, 2]: (w0, w1) in column 0, (w2, w3) in 1;
+    # join(z_first, z_second)[b, i, j] = z_{2i+j}.
+    z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
+    return tl.reshape(tl.join(z_first, z_second), [BLOCK])
+
+
+@triton.jit
+def _tile_normals(bases, t, start, key, BLOCK: tl.constexpr):
+    """The Philox normals ``z`` of the tile's ``BLOCK`` global elements, in element order."""
+    w0, w1, w2, w3 = _philox_words(bases, t, start, key, BLOCK)
+    return _normals(w0, w1, w2, w3, BLOCK)
+
+
+@triton.jit
 def _noise_kernel(
     ptrs,
     numels,
@@ -144,41 +192,16 @@ def _noise_kernel(
     ``ALIGNED``: the address is 16-byte aligned, ``numels[t]`` a multiple of ``VEC`` (elements
     per 128-bit vector) and ``bases[t]`` of 4, so tiles start at local multiples of ``BLOCK``.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(tile_slot + pid)
-    start = tl.load(tile_start + pid)
-    n = tl.load(numels + t)
-    base = tl.load(bases + t)
-    if ALIGNED:
-        start = tl.multiple_of(start, VEC)
-        n = tl.multiple_of(n, VEC)
-    idx = start + tl.arange(0, BLOCK)
-    mask = idx < n
-    if not ALIGNED:
-        mask = mask & (idx >= 0)
-
-    # The tile's Philox blocks: global elements base + start + [0, BLOCK), 4 per block.
-    blocks = ((base + start) >> 2) + tl.arange(0, BLOCK // 4)
-    c0 = (blocks & MASK32).to(tl.uint32)
-    c1 = (blocks >> 32).to(tl.uint32)
-    c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
-    c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
-    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
-
-    p = tl.load(ptrs + t).to(tl.pointer_type(ELEM))
-    if ALIGNED:
-        # On the typed pointer: a hint on the int64 address is lost by the int->ptr cast.
-        p = tl.multiple_of(p, 16)
+    t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
+    w0, w1, w2, w3 = _philox_words(bases, t, start, key, BLOCK)
+    p = _typed_ptr(ptrs, t, ELEM, ALIGNED)
     if MODE == 0:
         # join(join(w0, w2), join(w1, w3))[b, i, j] = w_{2i+j}: element order, each thread
         # keeps the 4 words of its blocks.
         words = tl.join(tl.join(w0, w2), tl.join(w1, w3))
         tl.store(p + idx, tl.reshape(words, [BLOCK]).to(tl.int64), mask=mask)
     else:
-        # Both Box-Muller pairs at once on [BLOCK/4, 2]: (w0, w1) in column 0, (w2, w3) in 1.
-        z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
-        # join(z_first, z_second)[b, i, j] = z_{2i+j}.
-        v = std * tl.reshape(tl.join(z_first, z_second), [BLOCK])
+        v = std * _normals(w0, w1, w2, w3, BLOCK)
         if MODE == 2:
             v += tl.load(p + idx, mask=mask, other=0.0).to(tl.float32)
         tl.store(p + idx, _round_to(v, ELEM), mask=mask)
