@@ -56,6 +56,7 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
 using VF = __m512;  // kBatch fp32 lanes (a GCC vector type, as VF below)
 
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 
 // out[4b + j] = z[j][b]: a 4x16 transpose in registers (within 128-bit lanes, then across them).
 inline void store_element_order(const VF z[4], float* out) {
@@ -107,6 +108,7 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
 using VF = __m256;
 
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 
 // out[4b + j] = z[j][b]: a 4x8 transpose in registers.
 inline void store_element_order(const VF z[4], float* out) {
@@ -162,6 +164,7 @@ inline VF vsqrt(VF x) {
   for (int i = 0; i < kBatch; ++i) x[i] = std::sqrt(x[i]);
   return x;
 }
+inline VF vfma(VF a, VF b, VF c) { return a * b + c; }
 
 inline void store_element_order(const VF z[4], float* out) {
   for (int b = 0; b < kBatch; ++b) {
@@ -195,6 +198,8 @@ struct VecLanes {
   static F from_bits(I i) { return __builtin_bit_cast(F, i); }
   static I trunc(F x) { return __builtin_convertvector(x, I); }
   static F to_float(I i) { return __builtin_convertvector(i, F); }
+  static F splat(float c) { return F{} + c; }
+  static F fma(F a, F b, F c) { return vfma(a, b, c); }
 };
 
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element

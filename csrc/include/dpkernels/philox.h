@@ -80,6 +80,15 @@ struct ScalarLanes {
   }
   DPK_HOST_DEVICE static I trunc(F x) { return static_cast<I>(x); }
   DPK_HOST_DEVICE static F to_float(I i) { return static_cast<F>(i); }
+  DPK_HOST_DEVICE static F splat(float c) { return c; }
+  // a b + c for the polynomials (fused where the hardware has it: one rounding, fewer instructions).
+  DPK_HOST_DEVICE static F fma(F a, F b, F c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+  }
 };
 
 // ln u for a normal u in (0, 1] (every uniform_open0 value): Cephes' logf. u = m 2^k with m in
@@ -95,19 +104,15 @@ DPK_HOST_DEVICE inline F log_open01(F u) {
   m = big ? m * 0.5f : m;
   k = big ? k + 1.0f : k;
   const F f = m - 1.0f, f2 = f * f;
-  F p = f * 0.0f + 7.0376836292e-2f;
-  p = p * f + -1.1514610310e-1f;
-  p = p * f + 1.1676998740e-1f;
-  p = p * f + -1.2420140846e-1f;
-  p = p * f + 1.4249322787e-1f;
-  p = p * f + -1.6668057665e-1f;
-  p = p * f + 2.0000714765e-1f;
-  p = p * f + -2.4999993993e-1f;
-  p = p * f + 3.3333331174e-1f;
+  F p = Lanes::splat(7.0376836292e-2f);
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                        -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+    p = Lanes::fma(p, f, Lanes::splat(c));
+  }
   F y = f * f2 * p;
-  y = y + k * -2.12194440e-4f;
-  y = y - 0.5f * f2;
-  return (f + y) + k * 0.693359375f;
+  y = Lanes::fma(k, Lanes::splat(-2.12194440e-4f), y);
+  y = Lanes::fma(Lanes::splat(-0.5f), f2, y);
+  return Lanes::fma(k, Lanes::splat(0.693359375f), f + y);
 }
 
 // cos and sin of theta = 2 pi u in (0, 2 pi], the evaluation every backend shares (the Triton twin is
@@ -124,10 +129,13 @@ DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
   x = x - jf * 4.837512969970703125e-4f;
   x = x - jf * 7.54978995489188216e-8f;
   const F x2 = x * x;
-  const F sn = x * x2 * ((-1.9515295891e-4f * x2 + 8.3321608736e-3f) * x2 + -1.6666654611e-1f) + x;
-  const F cs =
-      ((2.443315711809948e-5f * x2 + -1.388731625493765e-3f) * x2 + 4.166664568298827e-2f) * x2 * x2 -
-      0.5f * x2 + 1.0f;
+  const F ps = Lanes::fma(Lanes::fma(Lanes::splat(-1.9515295891e-4f), x2, Lanes::splat(8.3321608736e-3f)), x2,
+                          Lanes::splat(-1.6666654611e-1f));
+  const F sn = Lanes::fma(x * x2, ps, x);
+  const F pc =
+      Lanes::fma(Lanes::fma(Lanes::splat(2.443315711809948e-5f), x2, Lanes::splat(-1.388731625493765e-3f)),
+                 x2, Lanes::splat(4.166664568298827e-2f));
+  const F cs = Lanes::fma(pc * x2, x2, Lanes::fma(Lanes::splat(-0.5f), x2, Lanes::splat(1.0f)));
   // Quadrant q = j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c).
   const I q = j & 3;
   const auto swap = (q & 1) != 0;
