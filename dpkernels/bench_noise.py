@@ -207,10 +207,11 @@ def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
     }
 
 
-def _caption(rec: dict) -> str:
+def caption(rec: dict) -> str:
+    """A result table's caption: its target (if any) and whether other processes shared the cores."""
     lines = []
-    tgt = rec["target"]
-    if tgt["speedup"] is not None:
+    tgt = rec.get("target")
+    if tgt and tgt["speedup"] is not None:
         lines.append(f"target {tgt['what']}: {tgt['speedup']:.2f}× → {'met' if tgt['met'] else 'NOT met'}")
     other = rec["other_cpu_cores_during_timing"]
     if other > 0.1:
@@ -236,7 +237,7 @@ def generator_table(rec: dict):
             f"{r['speedup_vs_torch_normal']:.2f}×",
             style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
         )
-    t.caption = _caption(rec)
+    t.caption = caption(rec)
     return t
 
 
@@ -267,5 +268,5 @@ def privatize_table(rec: dict):
             "—" if err is None else f"{err:.1e}",
             style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
         )
-    t.caption = _caption(rec)
+    t.caption = caption(rec)
     return t

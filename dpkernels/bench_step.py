@@ -28,6 +28,7 @@ import dpkernels.optim as fused
 
 from . import _backend
 from .bench import BenchConfig, Provider, Shape, _stats, make_grad_samples, time_round_robin
+from .bench_noise import caption
 
 STEP_NUMEL = 4_500_000
 _ONE_MICROBATCH = torch.empty(0)
@@ -213,16 +214,6 @@ def bench_full_step(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
     }
 
 
-def _caption(rec: dict) -> str:
-    lines = []
-    tgt = rec.get("target")
-    if tgt and tgt["speedup"] is not None:
-        lines.append(f"target {tgt['what']}: DPAdam {tgt['speedup']:.2f}× → {'met' if tgt['met'] else 'NOT met'}")
-    if rec["other_cpu_cores_during_timing"] > 0.1:
-        lines.append(f"[yellow]other processes kept {rec['other_cpu_cores_during_timing']:.2f} cores busy[/]")
-    return "\n".join(lines)
-
-
 def steps_table(rec: dict):
     from rich.table import Table
 
@@ -239,7 +230,7 @@ def steps_table(rec: dict):
             "—" if "over_floor" not in r else f"{r['over_floor']:.2f}",
             style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
         )  # fmt: skip
-    t.caption = _caption(rec)
+    t.caption = caption(rec)
     return t
 
 
@@ -260,5 +251,5 @@ def full_step_table(rec: dict):
         t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}",
                   "—" if "speedup_vs_opacus" not in r else f"{r['speedup_vs_opacus']:.2f}×",
                   style="bold green" if r["kind"] == "dpkernels" else None)  # fmt: skip
-    t.caption = _caption(rec)
+    t.caption = caption(rec)
     return t
