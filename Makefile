@@ -19,7 +19,7 @@ $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q numpy scipy ninja "opacus>=1.5" dp-accounting rich pytest pytest-benchmark hypothesis ruff
+	$(PIP) install -q numpy scipy ninja "opacus>=1.5" dp-accounting rich pytest pytest-benchmark hypothesis ruff clang-format
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps setup.py $(SOURCES)
@@ -42,7 +42,7 @@ lint: $(VENV)/.deps
 
 format: $(VENV)/.deps
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
-	clang-format -i $(SOURCES)
+	$(VENV)/bin/clang-format -i $(SOURCES)
 
 cmake: $(VENV)/.deps
 	cmake -S . -B build/cmake -G Ninja -DPython3_EXECUTABLE=$(abspath $(PY)) \
