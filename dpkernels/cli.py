@@ -21,24 +21,17 @@ QUICK = {"repeats": 5, "budget_s": 4.0}
 FULL = {"repeats": 9, "budget_s": 20.0}
 
 
-def _shape_list(text: str) -> list[str]:
-    from .bench import SHAPES
+def _name_list(what: str, choices):
+    """An argparse type: a comma-separated, non-empty subset of ``choices``."""
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    return names
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown}; choose from {', '.join(choices)}")
+        return names
 
-
-def _section_list(text: str) -> list[str]:
-    from .bench import SECTIONS
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
-    return names
+    return parse
 
 
 def _positive_int(text: str) -> int:
@@ -73,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--shapes",
-        type=_shape_list,
+        type=_name_list("shape", SHAPES),
         default=list(SHAPES),
         metavar="NAMES",
         help=f"comma-separated subset of: {', '.join(SHAPES)} (default: all)",
@@ -87,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--sections",
-        type=_section_list,
+        type=_name_list("section", SECTIONS),
         default=list(SECTIONS),
         metavar="NAMES",
         help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)",
