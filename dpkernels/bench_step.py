@@ -8,8 +8,8 @@ other processes kept busy):
   returning ``S``, i.e. the one fused pass over D (noise in registers, affine correction, state,
   parameters) plus its Python launch. Bytes counted: the D-sized fp32 tensors the pass must read and
   write (``S``, ``θ`` and each state buffer it reads or writes). Its **floor** is the larger of the
-  same-run copy time for those bytes and the same-run time of the standalone generator for ``D``
-  normals (``gaussian_noise``, cpu); target: every fused step within 2x of its floor.
+  same-run copy time for those bytes and the same-run time of the standalone generator writing ``D``
+  normals into a buffer (cpu); target: every fused step within 2x of its floor.
 - **DP-Adam against Opacus.** Opacus's ``add_noise`` + ``scale_grad`` + ``torch.optim.Adam(fused=True)
   .step()`` on the same ``D`` with ``p.summed_grad`` ready; target: the fused DPAdam pass >= 5x faster.
 - **The full DP step.** On the model shapes of :mod:`dpkernels.bench`: ``DPAdam.step()`` (clip on the
@@ -23,7 +23,6 @@ import gc
 
 import torch
 
-import dpkernels
 import dpkernels.optim as fused
 
 from . import _backend
@@ -109,13 +108,16 @@ def bench_steps(cfg: BenchConfig, numel: int = STEP_NUMEL, on_call=lambda p, pha
     src, dst = torch.ones(numel), torch.zeros(numel)
     providers.append(Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=8 * numel,
                               note="D-element copy"))  # fmt: skip
+    # Into a buffer allocated once, as the fused passes write theirs: a fresh 18 MB tensor per call
+    # would add its page faults (which made this baseline bimodal, 3.6 or 7 ms, across runs).
+    noise_buf = torch.empty(numel)
     providers.append(
         Provider(
             "generator",
             "bandwidth",
-            call=lambda: dpkernels.gaussian_noise(numel, std=1.0, seed=SEED, step=1, backend="cpu"),
+            call=lambda: torch.ops.dpkernels_C.gaussian_fill_(noise_buf, 1.0, SEED, 1, 0, 0),
             bytes_moved=4 * numel,
-            note="gaussian_noise(D), cpu",
+            note="Philox normals of D elements into a buffer, cpu",
         )
     )
     res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)

@@ -133,6 +133,11 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       alignas(64) float th_buf[kChunk];
       SumLanes acc;
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
+        if constexpr (Family::kPrefetch) {
+          cpu::prefetch(p + i0, m);
+          cpu::prefetch(S + i0, m);
+          family.state.prefetch(l, i0, m);
+        }
         const float* nu = noise.chunk(l, i0, m, e0, nu_buf);
         if (old != nullptr) std::copy(p + i0, p + i0 + m, old + i0);
         float* th = load_theta(p + i0, m, th_buf);
@@ -172,7 +177,12 @@ void sgd_apply_loop(const SgdHyper& h, int64_t m, float* __restrict th, const fl
   for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
 }
 
+// kPrefetch: request the chunk's θ, S and state lines before its noise is generated, so traffic
+// and Philox/Box-Muller overlap. Measured (dpkernels bench --sections step, D = 4.5 M): 12-16% faster
+// for the light sgd and dp2 passes, 4-8% slower for the Adam and MacAdam passes, whose element math
+// already overlaps the traffic; so only the former do it.
 struct SgdChunk {
+  static constexpr bool kPrefetch = true;
   SgdHyper hyper;
   const FilterCoeffs& dir;
   const cpu::BufferTable& state;
@@ -201,6 +211,7 @@ void dp2_loop(const Dp2Hyper& hyper, int64_t m, float* __restrict th, const floa
 
 template <Dp2Phase kPhase>
 struct Dp2Chunk {
+  static constexpr bool kPrefetch = true;
   Dp2Hyper hyper;
   const cpu::BufferTable& state;
 
@@ -227,6 +238,7 @@ void adam_loop(const AdamHyper& hyper, int64_t m, float* __restrict th, const fl
 
 template <AdamVariant kVariant>
 struct AdamChunk {
+  static constexpr bool kPrefetch = false;
   AdamHyper hyper;
   const cpu::BufferTable& state;
 
@@ -260,6 +272,7 @@ void macadam_loop(const MacAdamHyper& hyper, int64_t m, float* __restrict th, co
 
 template <MacAdamBC kBC>
 struct MacAdamChunk {
+  static constexpr bool kPrefetch = false;
   MacAdamHyper hyper;
   const cpu::BufferTable& state;
 

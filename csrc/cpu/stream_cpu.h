@@ -111,12 +111,24 @@ struct StreamPlan {
 
 // A buffer-major tensor list of fp32 buffers (list[k * L + l] is buffer k of tensor l), as the
 // ops take their state and noise buffers.
+// Requests the cache lines of x[0:m) before they are used (with intent to write), so that a
+// chunk's loads are in flight while its noise is computed instead of after it.
+template <typename T>
+inline void prefetch(const T* x, int64_t m) {
+  const char* p = reinterpret_cast<const char*>(x);
+  for (int64_t b = 0; b < m * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 1, 3);
+}
+
 class BufferTable {
  public:
   BufferTable(at::TensorList list, int64_t L) : L_(L) {
     for (const at::Tensor& t : list) ptr_.push_back(t.data_ptr<float>());
   }
   float* at(int64_t k, int64_t l) const { return ptr_[k * L_ + l]; }
+  // prefetch() of elements [i0, i0 + m) of every buffer of tensor l.
+  void prefetch(int64_t l, int64_t i0, int64_t m) const {
+    for (size_t k = 0; k * L_ < ptr_.size(); ++k) cpu::prefetch(at(static_cast<int64_t>(k), l) + i0, m);
+  }
 
  private:
   std::vector<float*> ptr_;
