@@ -17,8 +17,13 @@ gradients, built once with ``randn`` and shared by every provider):
   All use flat clipping, ``c_i = min(1, C / (n_i + 1e-6))``.
 - **Time.** ``time.perf_counter`` around one call. Warm-up calls first (one only for a call that
   takes seconds, two for the compiled reference), then ``repeats`` rounds;
-  each round runs every provider once, in an order rotated per round, so machine drift hits
-  all providers alike. The Python garbage collector is off inside a timed call. A provider whose
+  each round runs every provider once, in an order shuffled per round (seeded), so machine
+  drift hits all providers alike and no provider always follows the same one. Before every
+  timed call (untimed) a buffer of twice the last-level cache is read, so every call, the
+  bandwidth baselines included, starts with its data out of cache: without it, a shape that
+  fits in cache (small-b8 is 48 MiB) hands whichever provider follows one that touched the
+  same bytes (*read* after *copy* of the same buffer) a warm cache and the rest a cold one.
+  The Python garbage collector is off inside a timed call. A provider whose
   calls would take more than a per-shape budget gets fewer rounds (never fewer than 3), spread
   evenly over the run. Reported: median, min, interquartile range, and how many cores other
   processes kept busy meanwhile (from ``/proc/stat`` minus this process's own CPU time), since
@@ -49,6 +54,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import resource
 import statistics
@@ -320,9 +326,41 @@ def bandwidth_providers(nbytes: int) -> list[Provider]:
 # ----------------------------------------------------------------------------------------------
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache on this machine, from sysfs (32 MiB where sysfs does not say)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())
+        if m:
+            sizes.append(int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2]])
+    return max(sizes, default=32 << 20)
+
+
+class CacheFlush:
+    """Evicts this process's data from the CPU caches by reading a buffer twice their size.
+
+    Reading (not writing) leaves the caches full of clean lines, so the next call's evictions
+    cost no write-backs; the previous call's dirty lines are written back here, untimed.
+    """
+
+    def __init__(self, nbytes: int | None = None):
+        self.buf = torch.ones((nbytes or 2 * last_level_cache_bytes()) // 4)
+
+    def __call__(self) -> None:
+        self.buf.sum()
+
+
+_flush_caches: CacheFlush | None = None
+
+
 def timed_call(p: Provider) -> float:
-    """Seconds for one ``p.call()`` (after an untimed ``p.prepare()``), garbage collector off."""
+    """Seconds for one ``p.call()``, after an untimed ``p.prepare()`` and cache flush; garbage
+    collector off."""
+    global _flush_caches
     p.prepare()
+    if _flush_caches is None:
+        _flush_caches = CacheFlush()
+    _flush_caches()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -374,7 +412,7 @@ def time_round_robin(
     min_repeats: int = 3,
     on_call: Callable[[Provider, str], None] = lambda p, phase: None,
 ) -> dict[str, dict]:
-    """Warm up every provider, then run ``repeats`` rotated round-robin rounds.
+    """Warm up every provider, then run ``repeats`` rounds, each in a shuffled order.
 
     Returns, per provider name, ``times_s`` (the timed calls), ``warmup_s`` and the number of
     rounds it ran. Warm-up stops early (after ``p.min_warmup`` calls) once it took
@@ -407,10 +445,10 @@ def time_round_robin(
         plan[p.name] = round_schedule(repeats, min(n, repeats))
         res[p.name]["rounds"] = len(plan[p.name])
     before = cpu_snapshot()
+    order = random.Random(0)
     for r in range(repeats):
         gc.collect()
-        k = r % len(live) if live else 0
-        for p in live[k:] + live[:k]:  # rotate, so no provider always follows the same one
+        for p in order.sample(live, len(live)):
             if r in plan[p.name]:
                 res[p.name]["times_s"].append(timed_call(p))
                 on_call(p, f"round {r + 1}/{repeats}")

@@ -265,6 +265,25 @@ def test_deterministic(backend_device):
     assert torch.equal(a[1], b[1]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
 
 
+def test_sums_are_independent_tensors(backend_device):
+    """The cpu backend carves all sums from one allocation (clip_layout.h new_outputs): each must
+    still be its own tensor, with its own storage and version counter, and outlive the others."""
+    backend, device = backend_device
+    g = make_grads(SHAPE_LISTS["mixed"], 5, torch.float32, device)
+    sums, _ = dpkernels.clip_and_accumulate(g, 1.0, backend=backend)
+    before = [s.clone() for s in sums]
+    ptrs = {s.untyped_storage().data_ptr() for s in sums}
+    assert len(ptrs) == len(sums)
+    versions = [s._version for s in sums]
+    sums[0].add_(1.0)
+    assert torch.equal(sums[0], before[0] + 1.0)
+    for s, b, v in zip(sums[1:], before[1:], versions[1:], strict=True):
+        assert torch.equal(s, b) and s._version == v
+    last = sums[-1]
+    del sums
+    assert torch.equal(last, before[-1])  # still valid once its siblings are gone
+
+
 def test_cpu_result_independent_of_thread_count():
     if "cpu" not in dpkernels.available_backends("cpu"):
         pytest.skip("cpu backend not built")

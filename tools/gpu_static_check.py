@@ -237,7 +237,7 @@ def _step_specs():
     # DP-PMLF with na = 2, nb = 1: m ring (oldest read, then overwritten with y), v̄ slot (= x).
     pmlf = [0.5, 2.0, -0.4, -0.2, 0.3, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     none = {}
-    wd, decay, prev, upd = ({"HAS_WD": True}, {"HAS_DECAY": True}, {"HAS_PREV": True}, {"UPDATE_B": True})
+    wd, decay, upd = ({"HAS_WD": True}, {"HAS_DECAY": True}, {"UPDATE_B": True})
     fp32, bf16 = tl.float32, tl.bfloat16
     F = to.NOISE_FILTER.value
     sgd, dp2, adam, macadam = to.SGD.value, to.DP2.value, to.ADAM.value, to.MACADAM.value
@@ -249,7 +249,7 @@ def _step_specs():
         ("dp2 adaptive bf16", dp2, to.DP2_ADAPTIVE.value, none, F, indep, indep, False, bf16, True),
         ("adamw", adam, 0, decay, F, indep, indep, False, fp32, True),
         ("adam-bc bf16", adam, to.ADAM_BC.value, none, F, indep, indep, False, bf16, True),
-        ("stp blt", adam, to.ADAM_STP.value, prev, F, blt2, indep, False, fp32, True),
+        ("stp blt", adam, to.ADAM_STP.value, none, F, blt2, indep, False, fp32, True),
         ("adam pre-drawn", adam, 0, none, to.NOISE_GIVEN.value, indep, indep, False, fp32, True),
         ("adam unaligned", adam, 0, none, F, indep, indep, False, fp32, False),
         ("macadam", macadam, 0, upd, F, indep, indep, False, fp32, True),

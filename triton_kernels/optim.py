@@ -18,7 +18,7 @@ epilogue. Per element:
   program, the float64 sum of ``√ŝ`` over its elements, which the host sums in a fixed order.
 
 Which scalar branches exist is compile-time (``HAS_WD``: sgd's λ ≠ 0, ``HAS_DECAY``: Adam's
-1 − ηλ ≠ 1, ``HAS_PREV``: STP's 1 − β₂^(t−1) ≠ 0, ``UPDATE_B``: MacAdam's κ ≠ 0), as are the
+1 − ηλ ≠ 1, ``UPDATE_B``: MacAdam's κ ≠ 0), as are the
 family variant (Adam/BC/STP, DP² phase, MacAdam's bias correction) and the filters' term masks
 (``filter.py``). Filter coefficients and hyper-parameters travel as fp32 bit patterns in the
 int64 metadata tensor (exactly the fp32 values the C++ kernels use), so compiled kernels do not
@@ -62,10 +62,14 @@ ADAM_BC, ADAM_STP = tl.constexpr(1), tl.constexpr(2)
 MACADAM_BC_OFF, MACADAM_BC_PAPER = tl.constexpr(0), tl.constexpr(1)
 
 #: The kernel's scalar-branch switches, all off (each family's launcher turns its own on).
-SWITCHES_OFF = {"HAS_WD": False, "HAS_DECAY": False, "HAS_PREV": False, "UPDATE_B": False}
+SWITCHES_OFF = {"HAS_WD": False, "HAS_DECAY": False, "UPDATE_B": False}
 
 #: Hyper-parameters per family (optim_math.h struct order, csrc/ops.cpp).
 _HYPER_LEN = {SGD.value: 3, DP2.value: 3, ADAM.value: 15, MACADAM.value: 17}
+#: Slots the kernel receives as reciprocals (0 stays 0), formed in float64 on the host as
+#: ``optim_layout.h`` does: the bias corrections (adam: 1−β₁^t, 1−β₂^t, 1−β₂^(t−1)) and MacAdam's
+#: κ_t, so the element math multiplies instead of dividing.
+_RECIPROCAL_SLOTS = {ADAM.value: (6, 7, 8), MACADAM.value: (6, 7, 13)}
 
 
 # =============================================================================================
@@ -101,10 +105,10 @@ def _dp2_math(hyper, S, nu, theta, G, inv_d, PHASE: tl.constexpr):
 @triton.jit
 def _moments(hyper, g, m, v):
     """``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g·g``; returns ``(m, v, m̂, v̂)``. Adam and MacAdam
-    share hyper slots 2..7: β₁, 1−β₁, β₂, 1−β₂, 1−β₁^t, 1−β₂^t."""
+    share hyper slots 2..7: β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t)."""
     m = _h(hyper, 2) * m + _h(hyper, 3) * g
     v = _h(hyper, 4) * v + _h(hyper, 5) * g * g
-    return m, v, tl.div_rn(m, tl.zeros_like(m) + _h(hyper, 6)), tl.div_rn(v, tl.zeros_like(v) + _h(hyper, 7))
+    return m, v, m * _h(hyper, 6), v * _h(hyper, 7)
 
 
 @triton.jit
@@ -119,17 +123,15 @@ def _recip(x):
 
 
 @triton.jit
-def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_PREV: tl.constexpr):
+def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, HAS_DECAY: tl.constexpr):
     """``adam_step``: ``(θ', m', v', scale')`` (``scale'`` is STP's next clip scale; other variants
     return ``v'`` in its place, unused).
 
-    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1−β₁^t, 1−β₂^t, 1−β₂^(t−1), ε, 1−ηλ, Φ, γ', ε₁, variant."""
+    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t), 1/(1−β₂^(t−1)), ε, 1−ηλ, Φ, γ', ε₁,
+    variant."""
     if VARIANT == ADAM_STP:
-        # Noise in the scaled space, un-scaled by √v̂_{t−1} + ε₁ (v̂_0 = 0).
-        if HAS_PREV:
-            nu = (tl.sqrt_rn(tl.div_rn(v, tl.zeros_like(v) + _h(hyper, 8))) + _h(hyper, 13)) * nu
-        else:
-            nu = _h(hyper, 13) * nu
+        # Noise in the scaled space, un-scaled by √v̂_{t−1} + ε₁ (v̂_0 = 0: 1/(1−β₂^0) is sent as 0).
+        nu = (tl.sqrt_rn(v * _h(hyper, 8)) + _h(hyper, 13)) * nu
     m, v, m_hat, v_hat = _moments(hyper, (S + nu) * _h(hyper, 0), m, v)
     if VARIANT == ADAM_BC:
         denom = _floor_sqrt(v_hat - _h(hyper, 11), _h(hyper, 12))
@@ -148,7 +150,8 @@ def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.const
     """``macadam_step``: ``(θ', m', v', s', b_u', inv_bu', shift', √ŝ)`` (``√ŝ`` = 0, ``b_u`` and
     ``inv_bu`` unchanged without the ``b`` update, κ = 0).
 
-    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1−β₁^t, 1−β₂^t, ε, (σC/B)², γ', h1, h2, κ, Σc, bscale, bc."""
+    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t), ε, (σC/B)², γ', h1, h2, 1/κ, Σc,
+    bscale, bc."""
     b = b_u * _h(hyper, 15)  # b_{t−1}
     mh = shift  # m̂_{t−1}
     g = ((S - _h(hyper, 14) * mh) + b * nu) * _h(hyper, 0) + mh
@@ -163,7 +166,7 @@ def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.const
     s = _h(hyper, 2) * s + _h(hyper, 3) * (dev * dev)
     sqrt_s_hat = tl.zeros_like(s)
     if UPDATE_B:
-        s_hat = tl.div_rn(s, tl.zeros_like(s) + _h(hyper, 13)) - b * b * _h(hyper, 9)
+        s_hat = s * _h(hyper, 13) - b * b * _h(hyper, 9)
         s_hat = tl.where(s_hat < _h(hyper, 11), _h(hyper, 11), s_hat)  # torch.clamp: a NaN stays NaN
         s_hat = tl.where(s_hat > _h(hyper, 12), _h(hyper, 12), s_hat)
         sqrt_s_hat = tl.sqrt_rn(s_hat)
@@ -206,7 +209,6 @@ def _step_kernel(
     VARIANT: tl.constexpr,
     HAS_WD: tl.constexpr,
     HAS_DECAY: tl.constexpr,
-    HAS_PREV: tl.constexpr,
     UPDATE_B: tl.constexpr,
     NOISE: tl.constexpr,
     NK: tl.constexpr,
@@ -274,7 +276,7 @@ def _step_kernel(
     elif FAMILY == ADAM:
         p_m, m = _state(state_ptrs, 0, T, t, idx, mask, ALIGNED)
         p_v, v = _state(state_ptrs, 1, T, t, idx, mask, ALIGNED)
-        theta, m, v, scale = _adam_math(hyper, S, nu, theta, m, v, VARIANT, HAS_DECAY, HAS_PREV)
+        theta, m, v, scale = _adam_math(hyper, S, nu, theta, m, v, VARIANT, HAS_DECAY)
         tl.store(p_m, m, mask=mask)
         tl.store(p_v, v, mask=mask)
         if VARIANT == ADAM_STP:
@@ -404,6 +406,8 @@ def _step(
     for i, h in enumerate(hyper):
         if not math.isfinite(h):
             raise ValueError(f"hyper[{i}] is not finite")
+    for j in _RECIPROCAL_SLOTS.get(family, ()):
+        hyper[j] = 1.0 / hyper[j] if hyper[j] else 0.0
     counter = _check_counter(int(seed) & (2**64 - 1), step, stream, offset)  # the seed's 64 bits, unsigned
     mode = NOISE_GIVEN.value if noise else NOISE_FILTER.value if (noise_std > 0 or NK) else NOISE_NONE.value
 
@@ -511,7 +515,7 @@ def adam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std,
     """DP-Adam(W) / AdamBC / STP step; ``state = [m, v]`` (+ ``scale`` for STP); hyper: optim_math.h
     ``AdamHyper`` order (15 values, the last the variant 0/1/2)."""
     variant = _check_hyper(hyper, ADAM.value, "adam_step_", (0, 1, 2))
-    flags = {"HAS_DECAY": _f32(hyper[10]) != 1, "HAS_PREV": _f32(hyper[8]) != 0}
+    flags = {"HAS_DECAY": _f32(hyper[10]) != 1}
     noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
     n_state = 3 if variant == ADAM_STP.value else 2
     _step(ADAM.value, params, sums, state, n_state, *noise_args, variant=variant, flags=flags)

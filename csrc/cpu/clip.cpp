@@ -307,12 +307,12 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
                 weights.dim() == 2 && weights.size(0) == lay.B && weights.size(1) == lay.L,
             "weights must be a contiguous float32 CPU tensor [B=", lay.B, ", L=", lay.L, "], got ",
             weights.sizes(), " ", weights.scalar_type());
-  std::vector<at::Tensor> out;
+  std::vector<at::IntArrayRef> shapes;
   std::vector<SumTask> tasks;
   std::vector<int64_t> cost;
   int64_t offset = 0;
   for (int64_t l = 0; l < lay.L; ++l) {
-    out.push_back(new_output(grads[l].sizes().slice(1), at::dtype(at::kFloat)));
+    shapes.push_back(grads[l].sizes().slice(1));
     ep.offset.push_back(offset);
     offset += lay.numel[l];
     for (int64_t b = 0; b < lay.numel[l]; b += kSumChunk) {
@@ -320,6 +320,7 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
       cost.push_back((tasks.back().end - b) * lay.B * lay.k + 64);
     }
   }
+  std::vector<at::Tensor> out = new_outputs(shapes, at::dtype(at::kFloat));
   const float* w = weights.const_data_ptr<float>();
   cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
     std::vector<const void*> bases(lay.k);

@@ -125,9 +125,14 @@ inline AdamHyper parse_adam_hyper(at::ArrayRef<double> h) {
   check_hyper(h, 15, "adam_step_");
   DPK_CHECK(h[14] == 0 || h[14] == 1 || h[14] == 2, "adam_step_: variant must be 0, 1 or 2, got ", h[14]);
   AdamHyper a{};
-  float* f[] = {&a.inv_b, &a.lr,       &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &a.bc1,
-                &a.bc2,   &a.bc2_prev, &a.eps,   &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
+  // hyper[6..8] (1 − β1^t, 1 − β2^t, 1 − β2^(t−1)) enter as reciprocals, below.
+  float unused = 0.f;
+  float* f[] = {&a.inv_b, &a.lr,  &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &unused,
+                &unused,  &unused, &a.eps,  &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
   for (size_t i = 0; i < 14; ++i) *f[i] = static_cast<float>(h[i]);
+  a.inv_bc1 = static_cast<float>(1.0 / h[6]);
+  a.inv_bc2 = static_cast<float>(1.0 / h[7]);
+  a.inv_bc2_prev = h[8] != 0 ? static_cast<float>(1.0 / h[8]) : 0.f;
   a.variant = static_cast<int>(h[14]);
   return a;
 }
@@ -136,10 +141,14 @@ inline MacAdamHyper parse_macadam_hyper(at::ArrayRef<double> h) {
   check_hyper(h, 17, "macadam_step_");
   DPK_CHECK(h[16] == 0 || h[16] == 1 || h[16] == 2, "macadam_step_: bc must be 0, 1 or 2, got ", h[16]);
   MacAdamHyper a{};
+  float unused = 0.f;  // hyper[6..7] enter as reciprocals, below
   float* f[] = {&a.inv_b, &a.lr,    &a.beta1,   &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2,
-                &a.bc1,   &a.bc2,   &a.eps,     &a.noise_var,       &a.gamma, &a.h1,
+                &unused,  &unused,  &a.eps,     &a.noise_var,       &a.gamma, &a.h1,
                 &a.h2,    &a.kappa, &a.c_total, &a.bscale};
   for (size_t i = 0; i < 16; ++i) *f[i] = static_cast<float>(h[i]);
+  a.inv_bc1 = static_cast<float>(1.0 / h[6]);
+  a.inv_bc2 = static_cast<float>(1.0 / h[7]);
+  a.inv_kappa = h[13] != 0 ? static_cast<float>(1.0 / h[13]) : 0.f;
   a.bc = static_cast<int>(h[16]);
   return a;
 }
