@@ -100,9 +100,13 @@ class _Noise:
 
 
 def _run(kind, inner, clipping, sigma, noise, *, accelerated, backend="cpu", steps=10, micro="none",
-         inject=True, sched=False, accelerate_at=0, accountant="rdp"):  # fmt: skip
+         inject=True, sched=False, accelerate_at=0, accountant="rdp", ddp=False):  # fmt: skip
     """Train ``steps`` real steps; returns (parameters after each step, max_grad_norm after each, engine)."""
     model = _model(kind)
+    if ddp:
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+
+        model = DifferentiallyPrivateDistributedDataParallel(model)
     pe = PrivacyEngine(accountant=accountant)
     n_params = len(list(model.parameters()))
     ghost = clipping == "ghost"
@@ -218,6 +222,27 @@ def test_scheduler_before_accelerate(monkeypatch):
 def test_accelerate_after_plain_steps(inner, monkeypatch):
     """The wrapped optimizer's momentum buffers / Adam moments and step count are imported."""
     _compare("mlp", inner, "flat", 1.0, monkeypatch, accelerate_at=3)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
+    """DistributedDPOptimizer / SimpleDistributedPerLayerOptimizer in a one-rank gloo group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        _, _, _, opt = _compare("mlp", "sgd", clipping, 1.0, monkeypatch, ddp=True)
+        name = type(opt).__name__
+        assert name.startswith("Accelerated") and "Distributed" in name
+        # the engine's own noise (added on rank 0 before the all-reduce) also runs
+        opt.zero_grad()
+        for p in opt.params:
+            p.grad_sample = torch.zeros(3, *p.shape)
+        before = [p.detach().clone() for p in opt.params]
+        opt.step()
+        assert all(not torch.equal(a, b) for a, b in zip(opt.params, before, strict=True))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "gdp"])

@@ -34,9 +34,11 @@ from torch import Tensor
 try:
     from opacus.optimizers import (
         AdaClipDPOptimizer,
+        DistributedDPOptimizer,
         DPOptimizer,
         DPOptimizerFastGradientClipping,
         DPPerLayerOptimizer,
+        SimpleDistributedPerLayerOptimizer,
     )
     from opacus.optimizers import adaclipoptimizer as _adaclip
     from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
@@ -46,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from .. import _backend
 from .. import optim as dpk_optim
 from ..clip import clip_and_accumulate
+from ..noise import add_gaussian_noise_
 
 __all__ = [
     "accelerate",
@@ -53,6 +56,8 @@ __all__ = [
     "AcceleratedDPPerLayerOptimizer",
     "AcceleratedAdaClipDPOptimizer",
     "AcceleratedDPOptimizerFastGradientClipping",
+    "AcceleratedDistributedDPOptimizer",
+    "AcceleratedSimpleDistributedPerLayerOptimizer",
 ]
 
 _INNER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -100,6 +105,8 @@ class _Accelerated:
 
     #: how ``S`` is formed: "flat", "per_layer", "adaptive" (AdaClip) or "ghost"
     _dpk_clip = "flat"
+    #: DistributedDPOptimizer's structure: noise on rank 0 only, then an all-reduce of S + ν
+    _dpk_ddp = False
 
     # ----------------------------------------------------------------------------------------
     # Set-up (called by accelerate())
@@ -237,7 +244,8 @@ class _Accelerated:
         """``B`` of Opacus's ``scale_grad``: ``E·accumulated_iterations`` for mean reduction, 1 for sum."""
         if self.loss_reduction != "mean":
             return 1
-        exact = self.expected_batch_size * self.accumulated_iterations
+        # DDP: PrivacyEngine divides E by the world size, reduce_gradients divides by it again.
+        exact = self.expected_batch_size * self.accumulated_iterations * (self.world_size if self._dpk_ddp else 1)
         B = round(exact)
         if B < 1 or abs(B - exact) > 1e-6 * B:
             raise ValueError(f"expected_batch_size·accumulated_iterations = {exact} is not a positive integer")
@@ -260,8 +268,11 @@ class _Accelerated:
         inner = self.original_optimizer
         for eg, i in zip(eng.param_groups, self._dpk_group_idx, strict=True):
             eg.update(_hyper(inner, inner.param_groups[i], i))
+        sums = [p.summed_grad for p in params]
+        if self._dpk_ddp:
+            sums, sigma, noise = self._dpk_allreduce(sums, sigma * delta, noise)
         eng.set_step_params(sigma, delta, self._dpk_batch())
-        eng.step_from_sums([p.summed_grad for p in params], noise=noise)
+        eng.step_from_sums(sums, noise=noise)
         for p in params:
             _mark_as_processed(p.summed_grad)
             p.grad = None  # the autograd p.grad is not private; the private gradient is never formed
@@ -276,6 +287,22 @@ class _Accelerated:
             self.update_max_grad_norm()
         self._is_last_step_skipped = False
         return None
+
+    def _dpk_allreduce(self, sums, std, noise):
+        """``Σ_ranks S_r + ν``, ν added on rank 0 only (the engine's key and counter), as Opacus's DDP
+        optimizer; the engine then steps without noise."""
+        eng = self._dpk_engine
+        sums = [s.clone() for s in sums]
+        if self.rank == 0:
+            if noise is not None:
+                for s, nu in zip(sums, noise, strict=True):
+                    s.add_(nu)
+            elif std > 0:
+                key = eng.secure_key if eng.rng == "chacha20" else eng.seed
+                add_gaussian_noise_(sums, std, seed=key, step=eng.steps_taken + 1, rng=eng.rng, backend=eng.backend)
+        for s in sums:
+            torch.distributed.all_reduce(s, op=torch.distributed.ReduceOp.SUM)
+        return sums, 0.0, None
 
     # ----------------------------------------------------------------------------------------
     # Serialisation
@@ -322,11 +349,27 @@ class AcceleratedDPOptimizerFastGradientClipping(_Accelerated, DPOptimizerFastGr
     _dpk_clip = "ghost"
 
 
+class AcceleratedDistributedDPOptimizer(_Accelerated, DistributedDPOptimizer):
+    """An Opacus ``DistributedDPOptimizer``: rank 0 adds the noise to ``S``, ``S + ν`` is summed over ranks,
+    divided by ``E·W``. Call accelerate() on every rank; ranks keep equal engine step counters."""
+
+    _dpk_ddp = True
+
+
+class AcceleratedSimpleDistributedPerLayerOptimizer(_Accelerated, SimpleDistributedPerLayerOptimizer):
+    """An Opacus ``SimpleDistributedPerLayerOptimizer``: per-layer clipping, then as the distributed one."""
+
+    _dpk_clip = "per_layer"
+    _dpk_ddp = True
+
+
 _ACCELERATED = {
     DPOptimizer: AcceleratedDPOptimizer,
     DPPerLayerOptimizer: AcceleratedDPPerLayerOptimizer,
     AdaClipDPOptimizer: AcceleratedAdaClipDPOptimizer,
     DPOptimizerFastGradientClipping: AcceleratedDPOptimizerFastGradientClipping,
+    DistributedDPOptimizer: AcceleratedDistributedDPOptimizer,
+    SimpleDistributedPerLayerOptimizer: AcceleratedSimpleDistributedPerLayerOptimizer,
 }
 
 
@@ -351,9 +394,10 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
     """Run an Opacus DP optimizer's clip, accumulate, noise, scale and step on dpkernels.
 
     Args:
-        dp_optimizer: a ``DPOptimizer``, ``DPPerLayerOptimizer``, ``AdaClipDPOptimizer`` or
-            ``DPOptimizerFastGradientClipping`` (exact type, as ``PrivacyEngine.make_private`` builds
-            it) wrapping ``torch.optim.SGD`` (momentum, weight decay), ``Adam`` or ``AdamW``, with
+        dp_optimizer: a ``DPOptimizer``, ``DPPerLayerOptimizer``, ``AdaClipDPOptimizer``,
+            ``DPOptimizerFastGradientClipping``, ``DistributedDPOptimizer`` or
+            ``SimpleDistributedPerLayerOptimizer`` (exact type, as ``PrivacyEngine.make_private``
+            builds it; with DDP call it on every rank) wrapping ``torch.optim.SGD`` (momentum, weight decay), ``Adam`` or ``AdamW``, with
             fp32 parameters on one device.
         backend: dpkernels backend (``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"``, ``"triton"``).
         seed: the Philox noise key (the 256-bit ChaCha20 key when ``secure_mode``); default: drawn
@@ -364,8 +408,8 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
 
     Raises: ``ValueError`` if already accelerated or for an option the fused step does not implement
     (nesterov, dampening, amsgrad, maximize, differentiable, Adam's coupled weight decay,
-    non-contiguous parameters); ``TypeError`` for another optimizer class (distributed, FSDP, a
-    subclass), another wrapped optimizer, or non-fp32 parameters.
+    non-contiguous parameters); ``TypeError`` for another optimizer class (``DistributedPerLayerOptimizer``,
+    distributed ghost clipping, FSDP, a subclass), another wrapped optimizer, or non-fp32 parameters.
     """
     if isinstance(dp_optimizer, _Accelerated):
         raise ValueError("the optimizer is already accelerated")
