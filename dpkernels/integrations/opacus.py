@@ -397,8 +397,8 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
         dp_optimizer: a ``DPOptimizer``, ``DPPerLayerOptimizer``, ``AdaClipDPOptimizer``,
             ``DPOptimizerFastGradientClipping``, ``DistributedDPOptimizer`` or
             ``SimpleDistributedPerLayerOptimizer`` (exact type, as ``PrivacyEngine.make_private``
-            builds it; with DDP call it on every rank) wrapping ``torch.optim.SGD`` (momentum, weight decay), ``Adam`` or ``AdamW``, with
-            fp32 parameters on one device.
+            builds it; with DDP call it on every rank) wrapping ``torch.optim.SGD`` (momentum,
+            weight decay), ``Adam`` or ``AdamW``, with fp32 parameters on one device.
         backend: dpkernels backend (``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"``, ``"triton"``).
         seed: the Philox noise key (the 256-bit ChaCha20 key when ``secure_mode``); default: drawn
             from the optimizer's ``generator`` if it has one, else fresh.
