@@ -213,7 +213,7 @@ def test_accelerate_skip_steps(clipping, monkeypatch):
 
 def test_scheduler_before_accelerate(monkeypatch):
     """A StepLR created before accelerate() wrapped the old step: it is re-wrapped and lr follows it."""
-    _, _, _, opt = _compare("mlp", "sgd", "flat", 1.0, monkeypatch, sched=True, accelerate_at=0)
+    _, _, opt = _compare("mlp", "sgd", "flat", 1.0, monkeypatch, sched=True, accelerate_at=0)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert opt._opt_called
 
@@ -231,7 +231,7 @@ def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        _, _, _, opt = _compare("mlp", "sgd", clipping, 1.0, monkeypatch, ddp=True)
+        _, _, opt = _compare("mlp", "sgd", clipping, 1.0, monkeypatch, ddp=True)
         name = type(opt).__name__
         assert name.startswith("Accelerated") and "Distributed" in name
         # the engine's own noise (added on rank 0 before the all-reduce) also runs
