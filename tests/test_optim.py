@@ -358,7 +358,9 @@ def test_step_from_sums_equals_step(backend_device, config):
         sets = _grad_samples(name, t, 1, device)
         _attach(p_step, sets, False)
         opt.step()
-        sums, _ = dpkernels.clip_and_accumulate(sets[0], 1.0, mode=mode, r=opt.r, backend=backend)
+        sums, _ = dpkernels.clip_and_accumulate(
+            sets[0], 1.0, mode=mode, r=None if mode == "clip" else opt.r, backend=backend
+        )
         opt_sums.step_from_sums(sums)
         opt_ref.step_from_sums([s.cpu().to(device) for s in sums])
         for a, b, c in zip(p_sums, p_step, p_ref, strict=True):
