@@ -224,9 +224,10 @@ def test_accelerate_after_plain_steps(inner, monkeypatch):
     _compare("mlp", inner, "flat", 1.0, monkeypatch, accelerate_at=3)
 
 
-@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "ghost"])
 def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
-    """DistributedDPOptimizer / SimpleDistributedPerLayerOptimizer in a one-rank gloo group."""
+    """DistributedDPOptimizer, SimpleDistributedPerLayerOptimizer and the distributed ghost-clipping optimizer
+    in a one-rank gloo group."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
@@ -236,8 +237,8 @@ def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
         assert name.startswith("Accelerated") and "Distributed" in name
         # the engine's own noise (added on rank 0 before the all-reduce) also runs
         opt.zero_grad()
-        for p in opt.params:
-            p.grad_sample = torch.zeros(3, *p.shape)
+        for p in opt.params:  # ghost clipping reads the clipped sum from p.grad
+            p.grad, p.grad_sample = torch.zeros_like(p), torch.zeros(3, *p.shape)
         before = [p.detach().clone() for p in opt.params]
         opt.step()
         assert all(not torch.equal(a, b) for a, b in zip(opt.params, before, strict=True))

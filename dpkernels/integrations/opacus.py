@@ -35,6 +35,7 @@ try:
     from opacus.optimizers import (
         AdaClipDPOptimizer,
         DistributedDPOptimizer,
+        DistributedDPOptimizerFastGradientClipping,
         DPOptimizer,
         DPOptimizerFastGradientClipping,
         DPPerLayerOptimizer,
@@ -58,6 +59,7 @@ __all__ = [
     "AcceleratedDPOptimizerFastGradientClipping",
     "AcceleratedDistributedDPOptimizer",
     "AcceleratedSimpleDistributedPerLayerOptimizer",
+    "AcceleratedDistributedDPOptimizerFastGradientClipping",
 ]
 
 _INNER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -363,6 +365,13 @@ class AcceleratedSimpleDistributedPerLayerOptimizer(_Accelerated, SimpleDistribu
     _dpk_ddp = True
 
 
+class AcceleratedDistributedDPOptimizerFastGradientClipping(_Accelerated, DistributedDPOptimizerFastGradientClipping):
+    """An Opacus ``DistributedDPOptimizerFastGradientClipping``: ghost clipping, then as the distributed one."""
+
+    _dpk_clip = "ghost"
+    _dpk_ddp = True
+
+
 _ACCELERATED = {
     DPOptimizer: AcceleratedDPOptimizer,
     DPPerLayerOptimizer: AcceleratedDPPerLayerOptimizer,
@@ -370,6 +379,7 @@ _ACCELERATED = {
     DPOptimizerFastGradientClipping: AcceleratedDPOptimizerFastGradientClipping,
     DistributedDPOptimizer: AcceleratedDistributedDPOptimizer,
     SimpleDistributedPerLayerOptimizer: AcceleratedSimpleDistributedPerLayerOptimizer,
+    DistributedDPOptimizerFastGradientClipping: AcceleratedDistributedDPOptimizerFastGradientClipping,
 }
 
 
@@ -395,10 +405,11 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
 
     Args:
         dp_optimizer: a ``DPOptimizer``, ``DPPerLayerOptimizer``, ``AdaClipDPOptimizer``,
-            ``DPOptimizerFastGradientClipping``, ``DistributedDPOptimizer`` or
-            ``SimpleDistributedPerLayerOptimizer`` (exact type, as ``PrivacyEngine.make_private``
-            builds it; with DDP call it on every rank) wrapping ``torch.optim.SGD`` (momentum,
-            weight decay), ``Adam`` or ``AdamW``, with fp32 parameters on one device.
+            ``DPOptimizerFastGradientClipping``, ``DistributedDPOptimizer``,
+            ``SimpleDistributedPerLayerOptimizer`` or ``DistributedDPOptimizerFastGradientClipping``
+            (exact type, as ``PrivacyEngine.make_private`` builds it; with DDP call it on every rank)
+            wrapping ``torch.optim.SGD`` (momentum, weight decay), ``Adam`` or ``AdamW``, with fp32
+            parameters on one device.
         backend: dpkernels backend (``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"``, ``"triton"``).
         seed: the Philox noise key (the 256-bit ChaCha20 key when ``secure_mode``); default: drawn
             from the optimizer's ``generator`` if it has one, else fresh.
@@ -409,7 +420,7 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
     Raises: ``ValueError`` if already accelerated or for an option the fused step does not implement
     (nesterov, dampening, amsgrad, maximize, differentiable, Adam's coupled weight decay,
     non-contiguous parameters); ``TypeError`` for another optimizer class (``DistributedPerLayerOptimizer``,
-    distributed ghost clipping, FSDP, a subclass), another wrapped optimizer, or non-fp32 parameters.
+    FSDP, a subclass), another wrapped optimizer, or non-fp32 parameters.
     """
     if isinstance(dp_optimizer, _Accelerated):
         raise ValueError("the optimizer is already accelerated")
