@@ -265,6 +265,9 @@ class _Accelerated:
         params = self._dpk_params
         for p in params:
             _check_processed_flag(p.summed_grad)
+        if self._dpk_clip == "adaptive" and self.sample_size == 0:
+            # update_max_grad_norm divides by the sample count: a NaN clip norm from then on
+            raise ValueError("AdaClip cannot update its clip norm from an empty batch (0 samples since zero_grad)")
         sigma, delta = self._dpk_sigma_delta()
         eng = self._dpk_engine
         inner = self.original_optimizer
