@@ -199,6 +199,12 @@ def test_accelerate_backends(backend, inner, monkeypatch):
     _compare("mlp", inner, "flat", 1.0, monkeypatch, backend=backend)
 
 
+@pytest.mark.skipif("triton" not in dpkernels.available_backends("cpu"), reason="triton backend not available")
+def test_accelerate_triton(monkeypatch):
+    """One small case on the Triton backend (the interpreter on CPU is slow)."""
+    _compare("mlp", "sgd", "flat", 1.0, monkeypatch, backend="triton")
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_accelerate_grad_accumulation(clipping, monkeypatch):
     """``poisson_sampling=False`` and 3 backward passes per step: ``p.grad_sample`` is a list; B = 3·E."""
