@@ -285,8 +285,22 @@ def test_state_dict_roundtrip():
         opt.step()
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.params, b.params, strict=True))
     assert torch.equal(a.state[a.params[0]]["exp_avg"], b.state[b.params[0]]["exp_avg"])
-    with pytest.raises(ValueError, match="not saved by an accelerated"):
-        b.load_state_dict(sd["original"])
+    with pytest.raises(ValueError, match="neither"):
+        b.load_state_dict({"engine": sd["engine"]})
+
+
+def test_load_plain_state_dict():
+    """A plain Opacus/torch Adam state_dict (PrivacyEngine checkpoints) is imported: moments and step count."""
+    plain = _opacus_opt(torch.optim.Adam)
+    for seed in (0, 1):
+        _set_grad_samples(plain, seed)
+        plain.step()
+        plain.zero_grad()
+    opt = accelerate(_opacus_opt(torch.optim.Adam), backend="cpu")
+    opt.load_state_dict(plain.state_dict())
+    assert opt.dpkernels_engine.steps_taken == 2
+    for p, q in zip(opt.params, plain.params, strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], plain.state[q]["exp_avg_sq"])
 
 
 def _noise_step(seed, secure=False, backend="cpu"):

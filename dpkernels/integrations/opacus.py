@@ -321,10 +321,15 @@ class _Accelerated:
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if not isinstance(state_dict, dict) or state_dict.get("dpkernels_accelerated") != 1:
-            raise ValueError("state_dict was not saved by an accelerated optimizer (no 'dpkernels_accelerated' entry)")
-        self.original_optimizer.load_state_dict(state_dict["original"])
-        self._dpk_engine.load_state_dict(state_dict["engine"])
+        """Our ``state_dict()``, or a plain torch/Opacus one (its state is imported as by accelerate())."""
+        if isinstance(state_dict, dict) and state_dict.get("dpkernels_accelerated") == 1:
+            self.original_optimizer.load_state_dict(state_dict["original"])
+            self._dpk_engine.load_state_dict(state_dict["engine"])
+        elif isinstance(state_dict, dict) and {"state", "param_groups"} <= state_dict.keys():
+            self.original_optimizer.load_state_dict(state_dict)
+            self._dpk_import_state()
+        else:
+            raise ValueError("state_dict is neither an accelerated optimizer's nor a torch optimizer's")
 
     def __repr__(self) -> str:
         return f"Accelerated({self.original_optimizer!r}, backend={self._dpk_engine.backend!r})"
