@@ -121,6 +121,17 @@ class _Fused:
     def _fused_update(self, params, grad_sets, t, noise) -> None:
         raise NotImplementedError
 
+    def _update_from_sums(self, params, sums, t, noise):
+        if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
+            noise = self._secure_noise(params, t)
+        if self.backend == "reference":
+            return super()._update_from_sums(params, sums, t, noise)
+        self._fused_from_sums(params, [s.contiguous() for s in sums], t, noise)
+
+    def _fused_from_sums(self, params, sums, t, noise) -> None:
+        """The fused pass from fp32 clipped sums (the optimizers whose ``_accepts_sums`` is set)."""
+        raise NotImplementedError
+
     def _secure_noise(self, params, t) -> list[Tensor]:
         """``σ·C·z`` from the secure generator, pre-drawn (the unit noise; each family scales it)."""
         total = sum(p.numel() for p in params)
@@ -205,8 +216,11 @@ class DPSGD(_Fused, ref.DPSGD):
     __doc__ = ref.DPSGD.__doc__
 
     def _fused_update(self, params, grad_sets, t, noise):
+        sums, _ = self._clip_sums(grad_sets, self.max_grad_norm)
+        self._fused_from_sums(params, sums, t, noise)
+
+    def _fused_from_sums(self, params, sums, t, noise):
         C, inv_b = self.max_grad_norm, 1.0 / self.expected_batch_size
-        sums, _ = self._clip_sums(grad_sets, C)
         # Heavy-ball buf ← μ·buf + d is linear_filter_'s y = 1·d + μ·S, S ← y.
         self._run(
             "sgd", params, sums, lambda g: (inv_b, g["lr"], g["weight_decay"]), noise, self.noise_multiplier * C, t,
@@ -353,9 +367,12 @@ class _FusedAdam(_Fused):
         )  # fmt: skip
 
     def _fused_update(self, params, grad_sets, t, noise):
-        C = self.max_grad_norm
-        sums, _ = self._clip_sums(grad_sets, C, scale=self._clip_scale(params))
-        self._run("adam", params, sums, lambda g: self._hyper(g, t), noise, self.noise_multiplier * C, t)
+        sums, _ = self._clip_sums(grad_sets, self.max_grad_norm, scale=self._clip_scale(params))
+        self._fused_from_sums(params, sums, t, noise)
+
+    def _fused_from_sums(self, params, sums, t, noise):
+        std = self.noise_multiplier * self.max_grad_norm
+        self._run("adam", params, sums, lambda g: self._hyper(g, t), noise, std, t)
 
 
 class DPAdam(_FusedAdam, ref.DPAdam):

@@ -340,3 +340,53 @@ def test_triton_step_ops_reject_bad_inputs():
     mac = [0.2, 0.01, 0.9, 0.1, 0.999, 0.001, 0.1, 0.001, 1e-8, 0.0, 1e-8, 1e-8, 10.0, 0.0, 0.0, 1.0, 0.0]
     total = tk.macadam_step_(p, s, [torch.ones(8) for _ in range(6)], *noise, mac)
     assert total.dtype == torch.float64 and total.item() == 0.0
+
+
+@pytest.mark.parametrize("config", ["sgd-momentum-wd", "adamw-auto_s", "adam-bc"])
+def test_step_from_sums_equals_step(backend_device, config):
+    """step_from_sums(S) with S from the clip pipeline = step() on the per-sample gradients, bit for bit
+    on the same backend, and it follows the reference's step_from_sums; σ, C, B are read at each call."""
+    backend, device = backend_device
+    name, kwargs = CONFIGS[config]
+    common = dict(noise_multiplier=0.7, max_grad_norm=1.0, expected_batch_size=B, seed=SEED, **kwargs)
+    mode = common.pop("mode", "clip")
+    p_step, p_sums, p_ref = (_params(torch.float32, device) for _ in range(3))
+    opt = getattr(fused, name)(p_step, backend=backend, mode=mode, **common)
+    opt_sums = getattr(fused, name)(p_sums, backend=backend, mode=mode, **common)
+    opt_ref = getattr(ref, name)(p_ref, mode=mode, **common)
+    for t in range(1, 5):
+        sets = _grad_samples(name, t, 1, device)
+        _attach(p_step, sets, False)
+        opt.step()
+        sums, _ = dpkernels.clip_and_accumulate(
+            sets[0], 1.0, mode=mode, r=None if mode == "clip" else opt.r, backend=backend
+        )
+        opt_sums.step_from_sums(sums)
+        opt_ref.step_from_sums([s.cpu().to(device) for s in sums])
+        for a, b, c in zip(p_sums, p_step, p_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a, c, rtol=2e-4, atol=2e-5)
+    assert opt_sums.steps_taken == 4
+    # the step parameters are attributes: a new σ·C and B take effect at the next call
+    opt_sums.set_step_params(0.0, 2.0, 3)
+    before = [p.clone() for p in p_sums]
+    opt_sums.step_from_sums([torch.zeros_like(p) for p in p_sums])
+    assert all(not torch.equal(a, b) for a, b in zip(p_sums, before, strict=True))  # momentum/Adam state moves
+
+
+def test_step_from_sums_rejects():
+    params = _params(torch.float32, "cpu")
+    opt = fused.DPSGD(params, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, backend="cpu")
+    with pytest.raises(ValueError, match="list of 4 tensors"):
+        opt.step_from_sums([torch.zeros(3, 5)])
+    with pytest.raises(TypeError, match="float32"):
+        opt.step_from_sums([torch.zeros_like(p, dtype=torch.float64) for p in params])
+    with pytest.raises(ValueError, match="expected"):
+        opt.step_from_sums([torch.zeros(2) for _ in params])
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        opt.set_step_params(1.0, 1.0, 0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        opt.set_step_params(1.0, 0.0, 4)
+    stp = fused.DPAdamSTP(params, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B)
+    with pytest.raises(NotImplementedError, match="no step_from_sums"):
+        stp.step_from_sums([torch.zeros_like(p) for p in params])

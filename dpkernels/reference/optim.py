@@ -101,6 +101,8 @@ class DPOptimizer(torch.optim.Optimizer):
     _num_grad_sets: int = 1
     #: ``p.grad_sample`` is a list of ``_num_grad_sets`` tensors (DP-PMLF, even for k = 1)
     _grad_sample_is_list: bool = False
+    #: the clip does not depend on optimizer state: :meth:`step_from_sums` is allowed
+    _accepts_sums: bool = False
 
     def __init__(
         self,
@@ -228,6 +230,53 @@ class DPOptimizer(torch.optim.Optimizer):
         self._update(params, grad_sets, t, noise)
         self._step = t
         return loss
+
+    @torch.no_grad()
+    def step_from_sums(self, sums: Sequence[Tensor], *, noise: Sequence[Tensor] | None = None) -> None:
+        """One step from a clipped sum ``S`` formed elsewhere (per-layer clipping, micro-batches, ghost
+        clipping, an all-reduce): ``g̃ = (S + ν)·(1/B)`` with ``ν = σ·C·z_t`` (or ``noise``), then the
+        update of :meth:`step`. ``sums``: one tensor per parameter, shaped like it, in the state dtype
+        (fp32; fp64 for fp64 parameters). ``max_grad_norm`` (the ``Δ`` the noise is scaled by),
+        ``noise_multiplier`` and ``expected_batch_size`` are read at each call (see
+        :meth:`set_step_params`). Only for algorithms whose clip does not depend on their state.
+        """
+        if not self._accepts_sums:
+            raise NotImplementedError(
+                f"{type(self).__name__} clips with its own state (or several gradient sets); it has no step_from_sums"
+            )
+        params = self._params()
+        if isinstance(sums, Tensor) or not isinstance(sums, Sequence) or len(sums) != len(params):
+            raise ValueError(f"sums must be a list of {len(params)} tensors shaped like the parameters")
+        for idx, (s, p) in enumerate(zip(sums, params, strict=True)):
+            if not isinstance(s, Tensor) or s.dtype != _state_dtype(p):
+                raise TypeError(f"sums[{idx}] must be a {_state_dtype(p)} tensor (the state dtype of parameter {idx})")
+            if s.shape != p.shape or s.device != p.device:
+                raise ValueError(
+                    f"sums[{idx}] is {tuple(s.shape)} on {s.device}; expected {tuple(p.shape)} on {p.device}"
+                )
+        for p in params:
+            if not self.state[p]:
+                self.state[p] = self._init_state(p)
+        if noise is not None:
+            if self.correlated_noise is not None:
+                raise ValueError("step_from_sums(noise=...) cannot be combined with correlated_noise")
+            noise = self._check_noise(noise, params)
+        t = self._step + 1
+        _check_counter(self.seed, t, 0, 0)
+        self._update_from_sums(params, list(sums), t, noise)
+        self._step = t
+
+    def set_step_params(self, noise_multiplier: float, max_grad_norm: float, expected_batch_size: int) -> None:
+        """Set ``σ``, ``C`` (= ``Δ``, the noise scale) and ``B`` for the next step, with the constructor's checks."""
+        self.noise_multiplier = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+        self.max_grad_norm = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        B = expected_batch_size
+        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
+            raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
+        self.expected_batch_size = B
+
+    def _update_from_sums(self, params: list[Tensor], sums: list[Tensor], t: int, noise) -> None:
+        raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``p.grad`` and ``p.grad_sample`` (Opacus's ``zero_grad``)."""
@@ -412,10 +461,14 @@ class DPSGD(DPOptimizer):
     def _init_state(self, p):
         return {"momentum_buffer": torch.zeros_like(p, dtype=_state_dtype(p))}
 
+    _accepts_sums = True
+
     def _update(self, params, grad_sets, t, noise):
-        C = self.max_grad_norm
-        sums, _ = self._clip(grad_sets, C)
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
+        sums, _ = self._clip(grad_sets, self.max_grad_norm)
+        self._update_from_sums(params, sums, t, noise)
+
+    def _update_from_sums(self, params, sums, t, noise):
+        g_priv = self._private_mean(sums, self._noise_on_sum(t, self.max_grad_norm, noise))
         for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
             theta = p.to(g.dtype)
             d = g + group["weight_decay"] * theta if group["weight_decay"] else g
@@ -438,9 +491,11 @@ class _AdamBase(DPOptimizer):
         raise NotImplementedError
 
     def _update(self, params, grad_sets, t, noise):
-        C = self.max_grad_norm
-        sums, _ = self._clip(grad_sets, C)
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
+        sums, _ = self._clip(grad_sets, self.max_grad_norm)
+        self._update_from_sums(params, sums, t, noise)
+
+    def _update_from_sums(self, params, sums, t, noise):
+        g_priv = self._private_mean(sums, self._noise_on_sum(t, self.max_grad_norm, noise))
         for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
             m_hat, v_hat = self._adam_moments(p, g, group, t)
             self._adam_step(p, m_hat, self._denominator(v_hat, group), group)
@@ -508,6 +563,8 @@ class DPAdam(_AdamBase):
             correlated_noise=correlated_noise,
         )
 
+    _accepts_sums = True
+
     def _denominator(self, v_hat, group):
         return v_hat.sqrt() + group["eps"]
 
@@ -522,6 +579,8 @@ class DPAdamBC(_AdamBase):
     equivalent ``max(·, ε²)`` and report ε = 1e-4 best in all their settings, i.e. γ' = 1e-8.
     State as DPAdam.
     """
+
+    _accepts_sums = True
 
     def __init__(
         self,
