@@ -155,8 +155,9 @@ SHAPES: dict[str, Callable[[bool], Shape]] = {
 
 #: What ``dpkernels bench`` can run: the clipping pipeline (this module), the Gaussian generator
 #: and the fused private gradient (:mod:`dpkernels.bench_noise`), the fused optimizer steps and the
-#: full DP step (:mod:`dpkernels.bench_step`).
-SECTIONS = ("clip", "noise", "privatize", "step")
+#: full DP step (:mod:`dpkernels.bench_step`), a whole training step with Opacus, accelerated or
+#: not, and without privacy (:mod:`dpkernels.bench_train`).
+SECTIONS = ("clip", "noise", "privatize", "step", "train")
 
 
 def get_shape(name: str, quick: bool = False) -> Shape:
@@ -821,8 +822,8 @@ def expected_steps(cfg: BenchConfig) -> int:
 
 
 def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
-    """The generator, ``privatize`` and optimizer-step sections, one progress bar each."""
-    from . import bench_noise, bench_step
+    """The generator, ``privatize``, optimizer-step and training-step sections, one progress bar each."""
+    from . import bench_noise, bench_step, bench_train
 
     def ticker(task, label):
         return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
@@ -853,6 +854,16 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
             record["full_step"].append(rec)
             progress.console.print(bench_step.full_step_table(rec))
         progress.update(task, description="step: done", completed=n)
+    if "train" in cfg.sections:
+        train_models = bench_train.models(cfg.quick)
+        n = len(train_models) * 3 * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("train", total=n)
+        record["train_step"] = []
+        for model in train_models:
+            rec = bench_train.bench_train_step(model, cfg, on_call=ticker(task, f"train {model.name}"))
+            record["train_step"].append(rec)
+            progress.console.print(bench_train.train_step_table(rec))
+        progress.update(task, description="train: done", completed=n)
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:

@@ -15,7 +15,7 @@ from dpkernels import cli
 def test_bench_sections_write_json(tmp_path, monkeypatch):
     monkeypatch.delenv("DPKERNELS_POISON_OUTPUTS", raising=False)
     out = tmp_path / "bench.json"
-    argv = ["bench", "--quick", "--sections", "noise,privatize,step", "--shapes", "small-b8", "--repeats", "1",
+    argv = ["bench", "--quick", "--sections", "noise,privatize,step,train", "--shapes", "small-b8", "--repeats", "1",
             "--warmup", "1", "--json", str(out)]  # fmt: skip
     assert cli.main(argv) == 0
     rec = json.loads(out.read_text())
@@ -28,3 +28,8 @@ def test_bench_sections_write_json(tmp_path, monkeypatch):
     assert {"DPSGD", "DPAdam", "DPMacAdam", "DP2 (sgd phase)", "DPPMLF", "copy", "generator"} <= names
     (full,) = rec["full_step"]
     assert {r["name"] for r in full["providers"] if r["status"] == "ok"} >= {"cpu DPAdam"}
+    (train,) = rec["train_step"]  # --quick: the small CNN only
+    assert {r["name"] for r in train["providers"] if r["status"] == "ok"} == {
+        "non-private", "opacus", "opacus + dpkernels"
+    }  # fmt: skip
+    assert all(r["median_s"] > 0 for r in train["providers"])

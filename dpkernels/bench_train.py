@@ -1,0 +1,160 @@
+"""``dpkernels bench`` section ``train``: one whole private training step on real models.
+
+Same method as :mod:`dpkernels.bench` (shuffled rounds, cache flushed before every call, medians,
+the cores other processes kept busy). Per model, three providers run the same step, from the same
+initial weights on the same batch, with ``Adam`` (lr 1e-3), σ = 1, C = 1:
+
+- **non-private**: ``zero_grad``, forward, cross-entropy, backward, ``torch.optim.Adam(fused=True)
+  .step()`` on the plain module;
+- **opacus**: the same on Opacus's ``GradSampleModule`` (hooks: per-sample gradients in backward)
+  with ``DPOptimizer(Adam(fused=True))`` (clip_and_accumulate, add_noise, scale_grad, step);
+- **opacus + dpkernels**: the same Opacus objects after
+  :func:`dpkernels.integrations.opacus.accelerate` on the cpu backend (the drop-in).
+
+What differs between the last two is only the optimizer step; forward and backward, including
+Opacus's per-sample gradient hooks, are the same code, so the ratio shows what the drop-in buys
+in a real loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import _backend
+from .bench import BenchConfig, Provider, _stats, time_round_robin
+from .bench_noise import caption
+
+SEED = 20261123
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    name: str
+    what: str
+    batch_size: int
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    n_classes: int
+
+
+def _mlp() -> nn.Module:
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers[:-1], nn.Linear(1024, 10))
+
+
+def _cnn() -> nn.Module:
+    def block(c_in, c_out):
+        return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(8, c_out), nn.ReLU()]
+
+    return nn.Sequential(
+        *block(3, 32), *block(32, 32), nn.AvgPool2d(2), *block(32, 64), *block(64, 64), nn.AvgPool2d(2),
+        *block(64, 96), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(96, 10),
+    )  # fmt: skip
+
+
+MODELS = {
+    "mlp": TrainModel("mlp", "5 Linear layers of 1024 (4.2 M parameters)", 64, _mlp, (1024,), 10),
+    "cnn": TrainModel("cnn", "5 convs + GroupNorm on 3x16x16 (0.15 M parameters)", 32, _cnn, (3, 16, 16), 10),
+}
+
+
+def models(quick: bool = False) -> list[TrainModel]:
+    """The models timed: both, or only the small CNN under ``--quick``."""
+    return [MODELS["cnn"]] if quick else list(MODELS.values())
+
+
+def _providers(m: TrainModel) -> list[Provider]:
+    torch.manual_seed(SEED)
+    base = m.build()
+    x = torch.randn(m.batch_size, *m.input_shape)
+    y = torch.randint(0, m.n_classes, (m.batch_size,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step_fn(module, opt):
+        def call() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(module(x), y).backward()
+            opt.step()
+
+        return call
+
+    plain = copy.deepcopy(base)
+    out = [Provider("non-private", "baseline", call=step_fn(plain, torch.optim.Adam(plain.parameters(), lr=1e-3,
+                                                                                   fused=True)),
+                    note="Adam(fused=True), no per-sample gradients")]  # fmt: skip
+    try:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+    except ImportError as exc:
+        return out + [Provider(n, "baseline", skip=f"opacus not importable: {exc}") for n in ("opacus", "+dpkernels")]
+
+    def private(accelerated: bool):
+        module = GradSampleModule(copy.deepcopy(base))
+        opt = DPOptimizer(torch.optim.Adam(module.parameters(), lr=1e-3, fused=True),
+                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=m.batch_size)  # fmt: skip
+        if accelerated:
+            from .integrations.opacus import accelerate
+
+            accelerate(opt, backend="cpu", seed=SEED)
+        return step_fn(module, opt)
+
+    out.append(Provider("opacus", "baseline", call=private(False), note="GradSampleModule + DPOptimizer(Adam)"))
+    if "cpu" in _backend.available_backends("cpu"):
+        out.append(Provider("opacus + dpkernels", "dpkernels", call=private(True), note="the same, accelerate(opt)"))
+    else:
+        out.append(Provider("opacus + dpkernels", "dpkernels", skip=_backend._why_unavailable("cpu", "cpu")))
+    return out
+
+
+def bench_train_step(model: TrainModel, cfg: BenchConfig, on_call=lambda p, phase: None) -> dict:
+    providers = _providers(model)
+    with warnings.catch_warnings():
+        # Opacus's hooks note that the input needs no gradient: true, and nothing to act on.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
+    other = res.pop("_other_cpu_cores")
+    rows = []
+    for p in providers:
+        if p.skip is not None:
+            rows.append({"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip})
+            continue
+        rows.append({"name": p.name, "kind": p.kind, "what": p.note, "status": "ok",
+                     **_stats(res[p.name]["times_s"]), "times_s": res[p.name]["times_s"]})  # fmt: skip
+    med = {r["name"]: r["median_s"] for r in rows if r["status"] == "ok"}
+    for r in rows:
+        if r["status"] == "ok":
+            if "opacus" in med:
+                r["speedup_vs_opacus"] = med["opacus"] / r["median_s"]
+            if "non-private" in med:
+                r["over_non_private"] = r["median_s"] / med["non-private"]
+    del providers
+    gc.collect()
+    return {"name": model.name, "what": model.what, "batch_size": model.batch_size, "providers": rows,
+            "other_cpu_cores_during_timing": other}  # fmt: skip
+
+
+def train_step_table(rec: dict):
+    from rich.table import Table
+
+    t = Table(title=f"Full training step, {rec['name']}: {rec['what']}, B={rec['batch_size']}", title_justify="left")
+    for col in ("provider", "median ms", "IQR ms", "× Opacus", "÷ non-private"):
+        t.add_column(col, justify="left" if col == "provider" else "right")
+    for r in rec["providers"]:
+        if r["status"] != "ok":
+            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
+            continue
+        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}",
+                  f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—",
+                  f"{r['over_non_private']:.2f}" if "over_non_private" in r else "—",
+                  style="bold green" if r["kind"] == "dpkernels" else None)  # fmt: skip
+    t.caption = caption(rec)
+    return t
