@@ -339,6 +339,7 @@ def write_plot(summary: dict, cfg: TrainConfig, path: str) -> bool:
         std = [100 * by_eps[f"{e:g}"]["test_accuracy_std"] for e in eps]
         ax.errorbar(eps, mean, yerr=std, marker="o", capsize=3, label=algorithm)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(cfg.epsilons, [f"{e:g}" for e in cfg.epsilons])
     ax.set_xlabel(f"ε (δ = {cfg.delta:g})")
     ax.set_ylabel("test accuracy (%)")

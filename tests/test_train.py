@@ -42,3 +42,22 @@ def test_training_smoke(algorithm, backend, split):
         assert r.epsilon == float("inf")
     else:
         assert 0 < r.epsilon <= 8.0 * 1.01 and r.noise_multiplier > 0
+
+
+def test_train_cli_writes_json_and_plot(tmp_path):
+    import json
+
+    from dpkernels.cli import main
+
+    out, plot = tmp_path / "train.json", tmp_path / "acc.png"
+    argv = ["train", "--quick", "--algorithms", "dpsgd,pmlf", "--epsilons", "3", "--seeds", "1", "--epochs", "1"]
+    assert main([*argv, "--json", str(out), "--plot", str(plot)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["summary"]) == {BASELINE, "dpsgd", "pmlf"}
+    # 2 learning rates tuned + 1 seed per (algorithm, epsilon); the baseline once
+    assert len(doc["runs"]) == 3 * 3
+    for algorithm in ("dpsgd", "pmlf"):
+        s = doc["summary"][algorithm]["3"]
+        assert 0 < s["epsilon"] <= 3.0 * 1.01 and s["lr"] in doc["lr_grids"][algorithm]
+    pytest.importorskip("matplotlib")
+    assert plot.stat().st_size > 1000
