@@ -124,6 +124,7 @@ def _positive_float_list(text: str) -> list[float]:
 
 def _add_train(sub) -> None:
     from .integrations._make_private import ALGORITHMS
+    from .train import VARIANTS
 
     train = sub.add_parser(
         "train",
@@ -140,10 +141,10 @@ def _add_train(sub) -> None:
     train.add_argument("--quick", action="store_true", help="fewer epochs, seeds and learning rates (< 3 min)")
     train.add_argument(
         "--algorithms",
-        type=_name_list("algorithm", ALGORITHMS),
-        default=list(ALGORITHMS),
+        type=_name_list("algorithm", (*ALGORITHMS, *VARIANTS)),
+        default=[*ALGORITHMS, *VARIANTS],
         metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join(ALGORITHMS)} (default: all)",
+        help=f"comma-separated subset of: {', '.join((*ALGORITHMS, *VARIANTS))} (default: all)",
     )
     train.add_argument(
         "--epsilons", type=_positive_float_list, default=[1.0, 3.0, 8.0], metavar="LIST", help="(default 1,3,8)"

@@ -3,8 +3,9 @@
 What runs. scikit-learn's bundled ``digits`` (1797 images 8×8, 10 classes, no download), split once
 (seed 0, stratified by shuffling within each class) into 60% train, 20% validation, 20% test;
 pixels scaled to [0, 1]. A small model (``mlp``: 64-32-10 with tanh, or ``cnn``: conv 8×3×3, tanh,
-avg-pool 2, linear 128-10). Each algorithm of :data:`dpkernels.integrations._make_private.ALGORITHMS`
-runs through :func:`~dpkernels.integrations._make_private.make_private` (Opacus's
+avg-pool 2, linear 128-10). Each algorithm of :data:`dpkernels.integrations._make_private.ALGORITHMS`,
+plus Auto-S (``dpsgd_autos``: DP-SGD with ``mode="auto_s", r=0.01``, DP-PSAC's comparison), runs
+through :func:`~dpkernels.integrations._make_private.make_private` (Opacus's
 GradSampleModule, Poisson sampling at ``q = B/N`` and RDP accountant), with the noise multiplier
 from Opacus's ``get_noise_multiplier`` for the target ``(ε, δ)`` over the given epochs; the
 non-private baseline is plain ``torch.optim.Adam`` with the same model, batches and epochs.
@@ -44,9 +45,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 BASELINE = "non-private"
-SGD_FAMILY = ("dpsgd", "psac", "dp2", "pmlf")
+# Variants run through another make_private algorithm: Auto-S (Bu et al.; DP-SGD with the weight
+# C/(‖g‖+r), r = 0.01), the comparison DP-PSAC's paper makes.
+VARIANTS = {"dpsgd_autos": ("dpsgd", {"mode": "auto_s", "r": 0.01})}
+SGD_FAMILY = ("dpsgd", "psac", "dp2", "pmlf", "dpsgd_autos")
 # Learning-rate grids: the same number of points for every algorithm (see the module docstring).
-LR_GRID = {"sgd": (0.3, 1.0, 3.0), "adam": (0.001, 0.003, 0.01)}
+LR_GRID = {"sgd": (0.1, 0.3, 1.0, 3.0), "adam": (0.001, 0.003, 0.01, 0.03)}
 LR_GRID_QUICK = {"sgd": (0.5, 2.0), "adam": (0.002, 0.008)}
 # STP's scaling floor ε₁ (Ganesh et al. tune it with the lr; here it is fixed, so that STP is not tuned
 # more than the others). The default 1e-8 makes step 1 clip at C·1e-8 and the run never leaves that scale.
@@ -114,6 +118,8 @@ def make_model(kind: str) -> nn.Module:
 
 
 def _algo_kwargs(algorithm: str, steps_per_epoch: int) -> dict:
+    if algorithm in VARIANTS:
+        return dict(VARIANTS[algorithm][1])
     if algorithm == "dp2":
         return {"s1": steps_per_epoch, "s2": steps_per_epoch}
     if algorithm == "pmlf":
@@ -182,7 +188,7 @@ def train_one(algorithm: str, target_epsilon: float, lr: float, seed: int, split
             data_loader=loader,
             noise_multiplier=sigma,
             max_grad_norm=cfg.max_grad_norm,
-            algorithm=algorithm,
+            algorithm=VARIANTS[algorithm][0] if algorithm in VARIANTS else algorithm,
             backend=cfg.backend,
             seed=10_000 + seed,
             **_algo_kwargs(algorithm, steps_per_epoch),

@@ -238,7 +238,8 @@ def _args(**over):
     "over, exc, match",
     [
         (dict(algorithm="adamw"), ValueError, "unknown algorithm 'adamw'"),
-        (dict(algorithm="dpsgd", r=0.1), TypeError, "unexpected keyword argument"),
+        (dict(algorithm="dpsgd", k=2), TypeError, "unexpected keyword argument"),
+        (dict(algorithm="dpsgd", mode="bogus"), ValueError, "unknown clip mode"),
         (dict(algorithm="dp2"), TypeError, r"needs keyword argument\(s\) \['s1', 's2'\]"),
         (dict(algorithm="dpsgd", optimizer=lambda ps: torch.optim.Adam(ps)), TypeError, "use algorithm='dpadam'"),
         (dict(algorithm="dpadam"), TypeError, "torch.optim.Adam or AdamW"),

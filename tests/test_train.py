@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("sklearn")
 
 from dpkernels.integrations._make_private import ALGORITHMS  # noqa: E402
-from dpkernels.train import BASELINE, TrainConfig, load_digits_split, train_one  # noqa: E402
+from dpkernels.train import BASELINE, SGD_FAMILY, VARIANTS, TrainConfig, load_digits_split, train_one  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -29,12 +29,12 @@ def one_thread():
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("algorithm", [*ALGORITHMS, BASELINE])
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, *VARIANTS, BASELINE])
 def test_training_smoke(algorithm, backend, split):
     if algorithm == BASELINE and backend == "reference":
         pytest.skip("the baseline uses no dpkernels backend")
     cfg = TrainConfig(algorithms=[algorithm], epochs=3, backend=backend)
-    lr = LR["sgd" if algorithm in ("dpsgd", "psac", "dp2", "pmlf") else "adam"]
+    lr = LR["sgd" if algorithm in SGD_FAMILY else "adam"]
     r = train_one(algorithm, 8.0, lr, 0, split, cfg)
     assert r.last_loss < 0.8 * r.first_loss, r
     assert r.test_accuracy > 0.3, r  # chance is 0.1

@@ -11,7 +11,8 @@ an ``opacus.optimizers.DPOptimizer`` whose ``original_optimizer`` is the fused d
 =============  ==========================  =====================  =====================================
 ``algorithm``  engine                      torch optimizer        algorithm keyword arguments
 =============  ==========================  =====================  =====================================
-``dpsgd``      ``DPSGD``                   SGD (lr, momentum, wd)
+``dpsgd``      ``DPSGD``                   SGD (lr, momentum, wd) ``mode`` ("clip"; "auto_s" = Auto-S,
+                                                                  ...), ``r``
 ``psac``       ``DPSGD(mode="psac")``      SGD (lr, momentum, wd) ``r`` (0.1)
 ``dp2``        ``DP2``                     SGD (lr; no momentum)  ``s1, s2`` (required), ``lr2``,
                                                                   ``max_grad_norm2, beta, eps,
@@ -86,7 +87,7 @@ class _Spec:
 
 
 _SPECS = {
-    "dpsgd": _Spec(dpk_optim.DPSGD, "sgd", ()),
+    "dpsgd": _Spec(dpk_optim.DPSGD, "sgd", ("mode", "r")),
     "psac": _Spec(dpk_optim.DPSGD, "sgd", ("r",)),
     "dp2": _Spec(
         dpk_optim.DP2,
