@@ -277,3 +277,64 @@ def test_pmlf_step_needs_the_batch_and_skip_step_refused():
     with pytest.raises(NotImplementedError, match="BatchMemoryManager"):
         opt.signal_skip_step(True)
     assert len(pe.accountant) == 0
+
+
+def test_seed_determinism_and_lr_scheduler():
+    """The same seed gives the same run, another seed a different one; an LR scheduler on the returned
+    optimizer drives the engine's lr (Opacus forwards param_groups to it)."""
+
+    def run(seed):
+        torch.manual_seed(123)  # the same Poisson batches in every run
+        model = _model()
+        module, opt, loader = PrivacyEngine().make_private(
+            **_args(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)), seed=seed, backend="cpu"
+        )
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+            sched.step()
+        assert opt.engine.param_groups[0]["lr"] == 0.5 * 0.5 ** len(loader)
+        return [p.detach().clone() for p in module.parameters()]
+
+    a, b, c = run(1), run(1), run(2)
+    for pa, pb, pc in zip(a, b, c, strict=True):
+        assert torch.equal(pa, pb)
+        assert not torch.equal(pa, pc)
+
+
+def test_gradient_accumulation_list():
+    """Without Poisson sampling, two backward passes per step make p.grad_sample a list: the engine sees
+    the concatenation, divided by 2E as Opacus does, and the accountant records q·2 (Opacus's rule)."""
+    batches = _fixed_batches(n_steps=6, batch=16)
+    model = _model()
+    hand = copy.deepcopy(model)
+    pe = PrivacyEngine(accountant="rdp")
+    module, opt, _ = pe.make_private(
+        **_args(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(), batch_size=16),
+        ),
+        poisson_sampling=False,
+        backend="reference",
+        seed=3,
+    )
+    ref = ref_optim.DPSGD(
+        hand.parameters(), 0.5, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=32, seed=3
+    )
+    for i in range(0, len(batches), 2):
+        opt.zero_grad()
+        for x, y in batches[i : i + 2]:
+            nn.functional.cross_entropy(module(x), y).backward()
+        assert isinstance(next(module.parameters()).grad_sample, list)
+        opt.step()
+        x = torch.cat([batches[i][0], batches[i + 1][0]])
+        y = torch.cat([batches[i][1], batches[i + 1][1]])
+        for p, s in zip(hand.parameters(), pmlf_grad_samples(hand, nn.functional.cross_entropy, x, y), strict=True):
+            p.grad_sample = s[0]
+        ref.step()
+    for p, q in zip(module._module.parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert pe.accountant.history == [(1.0, 2 / 16, 3)]
