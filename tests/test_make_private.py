@@ -338,3 +338,29 @@ def test_gradient_accumulation_list():
     for p, q in zip(module._module.parameters(), hand.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert pe.accountant.history == [(1.0, 2 / 16, 3)]
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "macadam"])
+def test_make_private_with_epsilon_matches_opacus(algorithm):
+    make_opt, algo_kwargs = SETUPS[algorithm]
+    args = _args(data_loader=DataLoader(_data(), batch_size=32))
+    args.pop("noise_multiplier")
+    args["optimizer"] = make_opt(args["module"].parameters())
+    pe = PrivacyEngine(accountant="rdp")
+    _, opt, _ = pe.make_private_with_epsilon(
+        **args, target_epsilon=3.0, target_delta=DELTA, epochs=2, algorithm=algorithm, **algo_kwargs
+    )
+    model = _model()
+    _, opacus_opt, _ = OpacusPrivacyEngine(accountant="rdp").make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=32),
+        target_epsilon=3.0,
+        target_delta=DELTA,
+        epochs=2,
+        max_grad_norm=1.0,
+    )
+    assert opt.noise_multiplier == opacus_opt.noise_multiplier == opt.engine.noise_multiplier
+    mech = BandedNoise([1.0, 0.5], std=1.0, seed=1, start_step=1, backend="cpu")
+    with pytest.raises(NotImplementedError, match="cannot calibrate correlated noise"):
+        pe.make_private_with_epsilon(**_args(), target_epsilon=3.0, target_delta=DELTA, epochs=2, correlated_noise=mech)

@@ -498,3 +498,27 @@ class PrivacyEngine(_OpacusPrivacyEngine):
 
     def make_private(self, **kwargs):
         return make_private(self, **kwargs)
+
+    def make_private_with_epsilon(
+        self, *, data_loader, target_epsilon: float, target_delta: float, epochs: int, correlated_noise=None, **kwargs
+    ):
+        """:meth:`make_private` with ``σ`` from Opacus's ``get_noise_multiplier`` for ``(target_epsilon,
+        target_delta)`` over ``epochs`` at ``q = 1/len(data_loader)``, with this engine's accountant (as
+        Opacus's ``make_private_with_epsilon``; its ``**kwargs`` would reach the accountant, so the
+        ``algorithm`` arguments are not forwarded there). Correlated noise raises: no accountant here
+        can calibrate it."""
+        if correlated_noise is not None:
+            raise NotImplementedError(
+                "make_private_with_epsilon cannot calibrate correlated noise: the installed accountants have no "
+                "matrix-factorisation accounting (see CorrelatedNoiseAccountant); choose noise_multiplier yourself"
+            )
+        from opacus.accountants.utils import get_noise_multiplier
+
+        sigma = get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=1 / len(data_loader),
+            epochs=epochs,
+            accountant=self.accountant.mechanism(),
+        )
+        return make_private(self, data_loader=data_loader, noise_multiplier=sigma, **kwargs)
