@@ -364,3 +364,23 @@ def test_make_private_with_epsilon_matches_opacus(algorithm):
     mech = BandedNoise([1.0, 0.5], std=1.0, seed=1, start_step=1, backend="cpu")
     with pytest.raises(NotImplementedError, match="cannot calibrate correlated noise"):
         pe.make_private_with_epsilon(**_args(), target_epsilon=3.0, target_delta=DELTA, epochs=2, correlated_noise=mech)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_empty_poisson_batch_is_a_noise_only_step(algorithm):
+    """Poisson sampling can draw an empty batch: the step still runs (noise only) and is accounted."""
+    make_opt, algo_kwargs = SETUPS[algorithm]
+    model = _model()
+    pe = PrivacyEngine(accountant="rdp")
+    module, opt, _ = pe.make_private(
+        **_args(module=model, optimizer=make_opt(model.parameters())), algorithm=algorithm, backend="cpu", seed=2,
+        **algo_kwargs,
+    )  # fmt: skip
+    x, y = torch.zeros(0, 10), torch.zeros(0, dtype=torch.long)
+    before = [p.detach().clone() for p in module.parameters()]
+    nn.functional.cross_entropy(module(x), y, reduction="sum").backward()
+    assert next(module.parameters()).grad_sample.shape[0] == 0
+    opt.step(batch=(x, y)) if algorithm == "pmlf" else opt.step()
+    for p, b in zip(module.parameters(), before, strict=True):
+        assert torch.isfinite(p).all() and not torch.equal(p, b)
+    assert pe.accountant.history == [(1.0, 1 / 8, 1)]
