@@ -24,6 +24,8 @@ def pmlf_grad_samples(
     inputs: Tensor,
     targets: Tensor,
     saved_states: Sequence[Sequence[Tensor] | Mapping[str, Tensor]] = (),
+    *,
+    include_current: bool = True,
 ) -> list[list[Tensor]]:
     """Per-sample gradients of ``loss_fn(model(x_i), y_i)`` at the current and at saved parameters.
 
@@ -36,10 +38,14 @@ def pmlf_grad_samples(
         saved_states: earlier parameter states ``x_{t−1}, ..., x_{t−k+1}``, each a list of tensors
             in trainable-parameter order (``DPPMLF.past_params()``) or a ``{name: tensor}``
             mapping of the trainable parameters.
+        include_current: also differentiate at the current parameters (index 0). ``False`` returns
+            only the ``len(saved_states)`` past sets, for a caller that already has the current
+            per-sample gradients (Opacus's GradSampleModule), saving one vectorised backward.
 
     Returns: one entry per trainable parameter, each a list of ``k = 1 + len(saved_states)``
     tensors ``[B, *param.shape]``: index 0 at the current parameters, index ``j`` at
-    ``saved_states[j − 1]``. Assign entry ``l`` to ``p_l.grad_sample`` for ``DPPMLF``.
+    ``saved_states[j − 1]`` (``include_current=False``: index ``j − 1``). Assign entry ``l`` to
+    ``p_l.grad_sample`` for ``DPPMLF``.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -56,7 +62,7 @@ def pmlf_grad_samples(
         return loss_fn(out, y.unsqueeze(0))
 
     per_sample_grad = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-    states = [{n: p.detach() for n, p in named}]
+    states = [{n: p.detach() for n, p in named}] if include_current else []
     for j, state in enumerate(saved_states):
         states.append(_as_named(state, named, j))
     out: list[list[Tensor]] = [[] for _ in named]

@@ -1,5 +1,6 @@
 """Opacus on dpkernels: :func:`accelerate` runs an Opacus ``DPOptimizer``'s clip, accumulate, noise,
-scale and step on the fused kernels.
+scale and step on the fused kernels; :func:`make_private` / :class:`PrivacyEngine` (defined in
+``_make_private``) run every dpkernels algorithm inside Opacus's machinery.
 
 ``accelerate(opt)`` changes the class of the Opacus optimizer in place (``AcceleratedDPOptimizer``
 and its siblings) and returns the same object, so everything that holds it (the accountant hook
@@ -50,9 +51,15 @@ from .. import _backend
 from .. import optim as dpk_optim
 from ..clip import clip_and_accumulate
 from ..noise import add_gaussian_noise_
+from ._make_private import ALGORITHMS, CorrelatedNoiseAccountant, DPKernelsOptimizer, PrivacyEngine, make_private
 
 __all__ = [
     "accelerate",
+    "make_private",
+    "PrivacyEngine",
+    "DPKernelsOptimizer",
+    "CorrelatedNoiseAccountant",
+    "ALGORITHMS",
     "AcceleratedDPOptimizer",
     "AcceleratedDPPerLayerOptimizer",
     "AcceleratedAdaClipDPOptimizer",
