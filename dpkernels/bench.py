@@ -834,15 +834,20 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
         record["noise"] = bench_noise.bench_generator(cfg, on_call=ticker(task, "generator"))
         progress.update(task, description="generator: done", completed=n)
         progress.console.print(bench_noise.generator_table(record["noise"]))
+
+    def per_item(key: str, label: str, items, calls_per_item: int, bench, table) -> None:
+        """One bench call and table per shape (or model), under one progress bar."""
+        n = len(items) * calls_per_item * (cfg.warmup + cfg.repeats)
+        task = progress.add_task(label, total=n)
+        record[key] = []
+        for item in items:
+            rec = bench(item, cfg, on_call=ticker(task, f"{label} {item.name}"))
+            record[key].append(rec)
+            progress.console.print(table(rec))
+        progress.update(task, description=f"{label}: done", completed=n)
+
     if "privatize" in cfg.sections:
-        n = len(shapes) * 5 * (cfg.warmup + cfg.repeats)
-        task = progress.add_task("privatize", total=n)
-        record["privatize"] = []
-        for shape in shapes:
-            rec = bench_noise.bench_privatize(shape, cfg, on_call=ticker(task, f"privatize {shape.name}"))
-            record["privatize"].append(rec)
-            progress.console.print(bench_noise.privatize_table(rec))
-        progress.update(task, description="privatize: done", completed=n)
+        per_item("privatize", "privatize", shapes, 5, bench_noise.bench_privatize, bench_noise.privatize_table)
     if "step" in cfg.sections:
         n = (len(bench_step.STEP_CONFIGS) + 3 + 2 * len(shapes)) * (cfg.warmup + cfg.repeats)
         task = progress.add_task("step", total=n)
@@ -855,15 +860,8 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
             progress.console.print(bench_step.full_step_table(rec))
         progress.update(task, description="step: done", completed=n)
     if "train" in cfg.sections:
-        train_models = bench_train.models(cfg.quick)
-        n = len(train_models) * 3 * (cfg.warmup + cfg.repeats)
-        task = progress.add_task("train", total=n)
-        record["train_step"] = []
-        for model in train_models:
-            rec = bench_train.bench_train_step(model, cfg, on_call=ticker(task, f"train {model.name}"))
-            record["train_step"].append(rec)
-            progress.console.print(bench_train.train_step_table(rec))
-        progress.update(task, description="train: done", completed=n)
+        models = bench_train.models(cfg.quick)
+        per_item("train_step", "train", models, 3, bench_train.bench_train_step, bench_train.train_step_table)
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:

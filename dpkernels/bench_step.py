@@ -236,22 +236,31 @@ def steps_table(rec: dict):
     return t
 
 
-def full_step_table(rec: dict):
+def _speedup(r: dict) -> str:
+    return f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—"
+
+
+def provider_table(title: str, rec: dict, extra: dict):
+    """Median and IQR per provider of ``rec["providers"]``, plus ``extra`` columns (header → the
+    cell text of a row); dpkernels rows in bold green, skipped ones dimmed."""
     from rich.table import Table
 
-    t = Table(
-        title=f"Full DP step, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
-        f"D={rec['n_params'] / 1e6:.2f} M",
-        title_justify="left",
-    )
-    for col in ("provider", "median ms", "IQR ms", "× Opacus"):
+    t = Table(title=title, title_justify="left")
+    for col in ("provider", "median ms", "IQR ms", *extra):
         t.add_column(col, justify="left" if col == "provider" else "right")
     for r in rec["providers"]:
         if r["status"] != "ok":
             t.add_row(r["name"], "[dim]skipped[/]", style="dim")
             continue
-        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}",
-                  "—" if "speedup_vs_opacus" not in r else f"{r['speedup_vs_opacus']:.2f}×",
+        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}", *(f(r) for f in extra.values()),
                   style="bold green" if r["kind"] == "dpkernels" else None)  # fmt: skip
     t.caption = caption(rec)
     return t
+
+
+def full_step_table(rec: dict):
+    title = (
+        f"Full DP step, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
+        f"D={rec['n_params'] / 1e6:.2f} M"
+    )
+    return provider_table(title, rec, {"× Opacus": _speedup})

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _backend
 from .bench import BenchConfig, Provider, _stats, time_round_robin
-from .bench_noise import caption
+from .bench_step import _speedup, provider_table
 
 SEED = 20261123
 
@@ -143,18 +143,8 @@ def bench_train_step(model: TrainModel, cfg: BenchConfig, on_call=lambda p, phas
 
 
 def train_step_table(rec: dict):
-    from rich.table import Table
-
-    t = Table(title=f"Full training step, {rec['name']}: {rec['what']}, B={rec['batch_size']}", title_justify="left")
-    for col in ("provider", "median ms", "IQR ms", "× Opacus", "÷ non-private"):
-        t.add_column(col, justify="left" if col == "provider" else "right")
-    for r in rec["providers"]:
-        if r["status"] != "ok":
-            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
-            continue
-        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}",
-                  f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—",
-                  f"{r['over_non_private']:.2f}" if "over_non_private" in r else "—",
-                  style="bold green" if r["kind"] == "dpkernels" else None)  # fmt: skip
-    t.caption = caption(rec)
-    return t
+    title = f"Full training step, {rec['name']}: {rec['what']}, B={rec['batch_size']}"
+    return provider_table(title, rec, {
+        "× Opacus": _speedup,
+        "÷ non-private": lambda r: f"{r['over_non_private']:.2f}" if "over_non_private" in r else "—",
+    })  # fmt: skip

@@ -28,6 +28,7 @@ from dpkernels.reference import optim as ref_optim
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
 ]
 
 SIGMA, C, DELTA = 1.1, 1.0, 1e-5
@@ -42,14 +43,6 @@ SETUPS = {
     "stp": (lambda ps: torch.optim.Adam(ps, lr=0.02), {"eps1": 1e-3}),
     "macadam": (lambda ps: torch.optim.Adam(ps, lr=0.004), {}),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data(n=256, d=10, classes=3, seed=0):

@@ -3,14 +3,13 @@ the optimizers natively (reference and cpu; Triton's interpreter is far too slow
 lowers the training loss and beats chance (10%) on the test split."""
 
 import pytest
-import torch
 
 pytest.importorskip("sklearn")
 
 from dpkernels.integrations._make_private import ALGORITHMS  # noqa: E402
 from dpkernels.train import BASELINE, SGD_FAMILY, VARIANTS, TrainConfig, load_digits_split, train_one  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
 
 LR = {"sgd": 1.0, "adam": 0.01}
 
@@ -18,14 +17,6 @@ LR = {"sgd": 1.0, "adam": 0.01}
 @pytest.fixture(scope="module")
 def split():
     return load_digits_split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

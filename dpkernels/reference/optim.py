@@ -119,12 +119,7 @@ class DPOptimizer(torch.optim.Optimizer):
     ):
         _check_number("lr", defaults.get("lr"), low=0.0)
         super().__init__(params, defaults)
-        self.noise_multiplier = _check_number("noise_multiplier", noise_multiplier, low=0.0)
-        self.max_grad_norm = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
-        B = expected_batch_size
-        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-            raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
-        self.expected_batch_size = B
+        self.set_step_params(noise_multiplier, max_grad_norm, expected_batch_size)
         self.mode = mode
         self.r = _check_mode(mode, r)
         self.correlated_noise = self._check_correlated(correlated_noise, seed)
