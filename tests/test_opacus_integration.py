@@ -6,6 +6,9 @@ gets the same tensors through ``step(noise=...)``; σ = 0 cases use the engine's
 """
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,8 +64,8 @@ def _model(kind):
     return _EmbLN()
 
 
-def _batches(kind, n, allow_empty=True):
-    g = torch.Generator().manual_seed(1)
+def _batches(kind, n, allow_empty=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         b = SIZES[i % len(SIZES)] or (0 if allow_empty else 3)
@@ -142,15 +145,16 @@ def _run(kind, inner, clipping, sigma, noise, *, accelerated, backend="cpu", ste
                 opt.step()
                 opt.zero_grad()
         if fast:
-            rec = noise.steps[t]
+            # DDP: only rank 0 draws noise (Opacus and accelerate() alike); the other ranks record none
+            rec = noise.steps[t] if not ddp or torch.distributed.get_rank() == 0 else []
             L = len(opt.params)
             noise.replay = list(rec[L:])  # AdaClip's count noise
-            opt.step(noise=[r.clone() for r in rec[:L]] if inject else None)
+            opt.step(noise=[r.clone() for r in rec[:L]] if inject and rec else None)
             assert not noise.replay
             noise.replay = None
             assert all(p.grad is None for p in opt.params)
         elif accelerated:  # plain Opacus steps of the accelerated run replay the recorded noise
-            noise.replay = list(noise.steps[t])
+            noise.replay = list(noise.steps[t]) if t < len(noise.steps) else None
             opt.step()
             noise.replay = None
         else:
@@ -251,6 +255,25 @@ def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
         assert all(not torch.equal(a, b) for a, b in zip(opt.params, before, strict=True))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "ghost"])
+def test_accelerate_ddp_two_ranks(clipping, tmp_path):
+    """Two gloo ranks, each with its own data: every rank's parameters after 10 accelerated steps equal
+    plain Opacus's (noise on rank 0 only, recorded and replayed), so the all-reduce of S + ν is right."""
+    worker = Path(__file__).with_name("_ddp_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), "2", str(tmp_path / "pg"), clipping],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"rank {rank}: equal" in out, f"rank {rank} failed:\n{out[-4000:]}"
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "gdp"])
