@@ -219,54 +219,47 @@ def caption(rec: dict) -> str:
     return "\n".join(lines)
 
 
-def generator_table(rec: dict):
+def speedup_vs_opacus(r: dict) -> str:
+    return f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—"
+
+
+def provider_table(title: str, rec: dict, extra: dict):
+    """One row per provider of ``rec["providers"]``: median and IQR, then the ``extra`` columns
+    (header → the cell text of a row). dpkernels rows bold green, bandwidth baselines and skipped
+    providers dimmed; the caption from :func:`caption`."""
     from rich.table import Table
 
-    t = Table(
-        title=f"Gaussian generator: {rec['numel'] / 1e6:.1f} M fp32 normals (cpu, side by side)",
-        title_justify="left",
-    )
-    for col in ("provider", "median ms", "IQR ms", "Gnormals/s", "× torch.normal"):
+    t = Table(title=title, title_justify="left")
+    for col in ("provider", "median ms", "IQR ms", *extra):
         t.add_column(col, justify="left" if col == "provider" else "right")
     for r in rec["providers"]:
-        t.add_row(
-            r["name"],
-            f"{1e3 * r['median_s']:.2f}",
-            f"{1e3 * r['iqr_s']:.2f}",
-            f"{r['gnormals_per_s']:.2f}",
-            f"{r['speedup_vs_torch_normal']:.2f}×",
-            style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
-        )
+        if r.get("status", "ok") != "ok":
+            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
+            continue
+        style = {"dpkernels": "bold green", "bandwidth": "dim"}.get(r["kind"])
+        cells = (f(r) for f in extra.values())
+        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}", *cells, style=style)
     t.caption = caption(rec)
     return t
+
+
+def generator_table(rec: dict):
+    return provider_table(
+        f"Gaussian generator: {rec['numel'] / 1e6:.1f} M fp32 normals (cpu, side by side)", rec,
+        {"Gnormals/s": lambda r: f"{r['gnormals_per_s']:.2f}",
+         "× torch.normal": lambda r: f"{r['speedup_vs_torch_normal']:.2f}×"},
+    )  # fmt: skip
 
 
 def privatize_table(rec: dict):
-    from rich.table import Table
-
-    t = Table(
-        title=(
-            f"privatize, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
-            f"D={rec['n_params'] / 1e6:.2f} M, σ={rec['sigma']:g}"
-        ),
-        title_justify="left",
+    title = (
+        f"privatize, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
+        f"D={rec['n_params'] / 1e6:.2f} M, σ={rec['sigma']:g}"
     )
-    for col in ("provider", "median ms", "IQR ms", "GB/s", "% read BW", "× Opacus", "max err vs ref"):
-        t.add_column(col, justify="left" if col == "provider" else "right")
-    for r in rec["providers"]:
-        if r["status"] != "ok":
-            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
-            continue
-        err = r.get("max_abs_err_vs_reference")
-        t.add_row(
-            r["name"],
-            f"{1e3 * r['median_s']:.2f}",
-            f"{1e3 * r['iqr_s']:.2f}",
-            f"{r['gbps']:.1f}",
-            f"{r['pct_read_bw']:.0f}%",
-            "—" if "speedup_vs_opacus" not in r else f"{r['speedup_vs_opacus']:.2f}×",
-            "—" if err is None else f"{err:.1e}",
-            style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
-        )
-    t.caption = caption(rec)
-    return t
+    err = lambda r: "—" if r.get("max_abs_err_vs_reference") is None else f"{r['max_abs_err_vs_reference']:.1e}"  # noqa: E731
+    return provider_table(title, rec, {
+        "GB/s": lambda r: f"{r['gbps']:.1f}",
+        "% read BW": lambda r: f"{r['pct_read_bw']:.0f}%",
+        "× Opacus": speedup_vs_opacus,
+        "max err vs ref": err,
+    })  # fmt: skip

@@ -27,7 +27,7 @@ import dpkernels.optim as fused
 
 from . import _backend
 from .bench import BenchConfig, Provider, Shape, _stats, make_grad_samples, time_round_robin
-from .bench_noise import caption
+from .bench_noise import provider_table, speedup_vs_opacus
 
 STEP_NUMEL = 4_500_000
 _ONE_MICROBATCH = torch.empty(0)
@@ -217,45 +217,12 @@ def bench_full_step(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
 
 
 def steps_table(rec: dict):
-    from rich.table import Table
-
-    t = Table(title=f"Fused optimizer pass, D = {rec['numel'] / 1e6:.1f} M fp32 (cpu)", title_justify="left")
-    for col in ("provider", "median ms", "IQR ms", "GB/s", "% copy BW", "floor ms", "× floor"):
-        t.add_column(col, justify="left" if col == "provider" else "right")
-    for r in rec["providers"]:
-        if r["status"] != "ok":
-            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
-            continue
-        t.add_row(
-            r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}", f"{r['gbps']:.1f}",
-            f"{r['pct_copy_bw']:.0f}%", "—" if "floor_s" not in r else f"{1e3 * r['floor_s']:.2f}",
-            "—" if "over_floor" not in r else f"{r['over_floor']:.2f}",
-            style="bold green" if r["kind"] == "dpkernels" else ("dim" if r["kind"] == "bandwidth" else None),
-        )  # fmt: skip
-    t.caption = caption(rec)
-    return t
-
-
-def _speedup(r: dict) -> str:
-    return f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—"
-
-
-def provider_table(title: str, rec: dict, extra: dict):
-    """Median and IQR per provider of ``rec["providers"]``, plus ``extra`` columns (header → the
-    cell text of a row); dpkernels rows in bold green, skipped ones dimmed."""
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for col in ("provider", "median ms", "IQR ms", *extra):
-        t.add_column(col, justify="left" if col == "provider" else "right")
-    for r in rec["providers"]:
-        if r["status"] != "ok":
-            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
-            continue
-        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}", *(f(r) for f in extra.values()),
-                  style="bold green" if r["kind"] == "dpkernels" else None)  # fmt: skip
-    t.caption = caption(rec)
-    return t
+    return provider_table(f"Fused optimizer pass, D = {rec['numel'] / 1e6:.1f} M fp32 (cpu)", rec, {
+        "GB/s": lambda r: f"{r['gbps']:.1f}",
+        "% copy BW": lambda r: f"{r['pct_copy_bw']:.0f}%",
+        "floor ms": lambda r: "—" if "floor_s" not in r else f"{1e3 * r['floor_s']:.2f}",
+        "× floor": lambda r: "—" if "over_floor" not in r else f"{r['over_floor']:.2f}",
+    })  # fmt: skip
 
 
 def full_step_table(rec: dict):
@@ -263,4 +230,4 @@ def full_step_table(rec: dict):
         f"Full DP step, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
         f"D={rec['n_params'] / 1e6:.2f} M"
     )
-    return provider_table(title, rec, {"× Opacus": _speedup})
+    return provider_table(title, rec, {"× Opacus": speedup_vs_opacus})

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _backend
 from .bench import BenchConfig, Provider, _stats, time_round_robin
-from .bench_step import _speedup, provider_table
+from .bench_noise import provider_table, speedup_vs_opacus
 
 SEED = 20261123
 
@@ -145,6 +145,6 @@ def bench_train_step(model: TrainModel, cfg: BenchConfig, on_call=lambda p, phas
 def train_step_table(rec: dict):
     title = f"Full training step, {rec['name']}: {rec['what']}, B={rec['batch_size']}"
     return provider_table(title, rec, {
-        "× Opacus": _speedup,
+        "× Opacus": speedup_vs_opacus,
         "÷ non-private": lambda r: f"{r['over_non_private']:.2f}" if "over_non_private" in r else "—",
     })  # fmt: skip
