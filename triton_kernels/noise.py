@@ -357,6 +357,15 @@ def _tiles(
     return slots, starts
 
 
+def _add_tile_table(meta: _Meta, tensors, bases, block: int, group: int = 4) -> tuple[tuple, int]:
+    """Adds one launch's tables to ``meta`` (data pointers, numels, global bases, tile slots and
+    starts, the noise kernels' argument order); returns their handles and the tile count."""
+    numels = [x.numel() for x in tensors]
+    slots, starts = _tiles(numels, bases, block, group)
+    tables = ([x.data_ptr() for x in tensors], numels, bases, slots, starts)
+    return tuple(meta.add(x) for x in tables), slots.numel()
+
+
 def _launch(tensors: Sequence[torch.Tensor], std: float, counter: list[int], offset: int, mode: int) -> None:
     groups = _groups(tensors, offset)
     if not groups:
@@ -366,16 +375,7 @@ def _launch(tensors: Sequence[torch.Tensor], std: float, counter: list[int], off
     key_h = meta.add(counter)
     launches = []
     for grp in groups:
-        numels = [x.numel() for x in grp.tensors]
-        slots, starts = _tiles(numels, grp.bases, block)
-        handles = (
-            meta.add([x.data_ptr() for x in grp.tensors]),
-            meta.add(numels),
-            meta.add(grp.bases),
-            meta.add(slots),
-            meta.add(starts),
-        )
-        launches.append((grp, handles, slots.numel()))
+        launches.append((grp, *_add_tile_table(meta, grp.tensors, grp.bases, block)))
     device = tensors[0].device
     meta.finish(device)
     with _device_guard(device):
@@ -444,16 +444,7 @@ def _chacha_launch(
         ts += grp.tensors
         bs += grp.bases
     for dtype, (ts, bs) in by_dtype.items():
-        numels = [x.numel() for x in ts]
-        slots, starts = _tiles(numels, bs, block, per_block)
-        handles = (
-            meta.add([x.data_ptr() for x in ts]),
-            meta.add(numels),
-            meta.add(bs),
-            meta.add(slots),
-            meta.add(starts),
-        )
-        launches.append((dtype, handles, slots.numel()))
+        launches.append((dtype, *_add_tile_table(meta, ts, bs, block, per_block)))
     device = tensors[0].device
     meta.finish(device)
     with _device_guard(device):
