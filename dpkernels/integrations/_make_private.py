@@ -74,6 +74,7 @@ except ImportError as exc:  # opacus is an optional extra
 from .. import optim as dpk_optim
 from ..correlated import _StreamingNoise
 from ..pmlf import pmlf_grad_samples
+from ._torch_optim import param_group_hypers
 
 __all__ = ["ALGORITHMS", "CorrelatedNoiseAccountant", "DPKernelsOptimizer", "PrivacyEngine", "make_private"]
 
@@ -300,20 +301,15 @@ def _check_sgd(algorithm: str, opt: torch.optim.Optimizer) -> list[dict]:
         )
     hypers = []
     for i, g in enumerate(opt.param_groups):
-        for key, bad in (("nesterov", True), ("maximize", True), ("differentiable", True)):
-            if g.get(key) is bad:
-                raise ValueError(f"SGD param group {i}: {key}=True is not supported by the dpkernels optimizers")
-        if g.get("dampening", 0):
-            raise ValueError(f"SGD param group {i}: dampening={g['dampening']} is not supported (torch's default 0)")
+        h = param_group_hypers(opt, g, i)
         if algorithm in ("dp2", "pmlf"):
-            if g["momentum"] or g["weight_decay"]:
+            if h["momentum"] or h["weight_decay"]:
                 raise ValueError(
                     f"algorithm {algorithm!r} has no momentum or weight decay; SGD param group {i} has "
-                    f"momentum={g['momentum']}, weight_decay={g['weight_decay']}"
+                    f"momentum={h['momentum']}, weight_decay={h['weight_decay']}"
                 )
-            hypers.append({"lr": g["lr"]})
-        else:
-            hypers.append({"lr": g["lr"], "momentum": g["momentum"], "weight_decay": g["weight_decay"]})
+            h = {"lr": h["lr"]}
+        hypers.append(h)
     return hypers
 
 
@@ -323,32 +319,21 @@ def _check_adam(algorithm: str, opt: torch.optim.Optimizer) -> list[dict]:
             f"algorithm {algorithm!r} takes its hyper-parameters from torch.optim.Adam or AdamW, got "
             f"{type(opt).__name__}" + ("; use algorithm='dpsgd'" if isinstance(opt, torch.optim.SGD) else "")
         )
-    decoupled = type(opt) is torch.optim.AdamW
     hypers = []
     for i, g in enumerate(opt.param_groups):
-        for key in ("amsgrad", "maximize", "differentiable"):
-            if g.get(key):
-                raise ValueError(f"{type(opt).__name__} param group {i}: {key}=True is not supported")
-        wd = g["weight_decay"]
-        if wd and not decoupled:
-            raise ValueError(
-                f"Adam param group {i}: weight_decay={wd} is an L2 term coupled into the gradient; the dpkernels "
-                "Adam family decays decoupled: use torch.optim.AdamW"
-            )
-        h = {"lr": g["lr"], "betas": tuple(g["betas"])}
+        h = param_group_hypers(opt, g, i)
         if algorithm == "macadam":
-            if wd:
-                raise ValueError(f"algorithm 'macadam' has no weight decay; param group {i} has weight_decay={wd}")
-            h["eps"] = g["eps"]
+            if h.pop("weight_decay"):
+                raise ValueError(
+                    f"algorithm 'macadam' has no weight decay; param group {i} has weight_decay={g['weight_decay']}"
+                )
         elif algorithm == "dpadam_bc":
-            if g["eps"] != 1e-8:
+            if h.pop("eps") != 1e-8:
                 raise ValueError(
                     f"algorithm 'dpadam_bc' has no eps (its floor is gamma_prime=); param group {i} has eps={g['eps']}"
                 )
-            h["weight_decay"] = wd
-        else:
-            h["eps2" if algorithm == "stp" else "eps"] = g["eps"]
-            h["weight_decay"] = wd
+        elif algorithm == "stp":
+            h["eps2"] = h.pop("eps")
         hypers.append(h)
     return hypers
 

@@ -52,6 +52,7 @@ from .. import optim as dpk_optim
 from ..clip import clip_and_accumulate
 from ..noise import add_gaussian_noise_
 from ._make_private import ALGORITHMS, CorrelatedNoiseAccountant, DPKernelsOptimizer, PrivacyEngine, make_private
+from ._torch_optim import param_group_hypers
 
 __all__ = [
     "accelerate",
@@ -70,43 +71,6 @@ __all__ = [
 ]
 
 _INNER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
-
-def _scalar(group: dict, key: str, idx: int) -> float:
-    v = group[key]
-    if isinstance(v, Tensor):
-        if v.dim() != 0:
-            raise ValueError(f"param_groups[{idx}][{key!r}] must be a number or a 0-d tensor")
-        v = v.item()
-    return float(v)
-
-
-def _hyper(inner: torch.optim.Optimizer, group: dict, idx: int) -> dict:
-    """The engine's hyper-parameters of one torch param group; raises for what the fused step lacks."""
-    where = f"{type(inner).__name__} param_groups[{idx}]"
-    for key in ("maximize", "differentiable", "amsgrad", "nesterov"):
-        if group.get(key, False):
-            raise ValueError(f"{where}: {key}=True is not supported by the dpkernels step")
-    if isinstance(inner, torch.optim.SGD):
-        if group.get("dampening", 0):
-            raise ValueError(f"{where}: dampening={group['dampening']} is not supported (torch skips it on step 1)")
-        return {
-            "lr": _scalar(group, "lr", idx),
-            "momentum": _scalar(group, "momentum", idx),
-            "weight_decay": _scalar(group, "weight_decay", idx),
-        }
-    wd = _scalar(group, "weight_decay", idx)
-    if wd and type(inner) is torch.optim.Adam and not group.get("decoupled_weight_decay", False):
-        raise ValueError(
-            f"{where}: Adam's coupled L2 weight_decay={wd} is not supported; use AdamW (decoupled weight decay)"
-        )
-    b1, b2 = group["betas"]
-    return {
-        "lr": _scalar(group, "lr", idx),
-        "betas": (float(b1), float(b2)),
-        "eps": _scalar(group, "eps", idx),
-        "weight_decay": wd,
-    }
 
 
 class _Accelerated:
@@ -140,7 +104,7 @@ class _Accelerated:
         for idx, g in enumerate(inner.param_groups):
             ps = [p for p in g["params"] if p.requires_grad]
             if ps:
-                groups.append({"params": ps, **_hyper(inner, g, idx)})
+                groups.append({"params": ps, **param_group_hypers(inner, g, idx)})
         self._dpk_group_idx = [i for i, g in enumerate(inner.param_groups) if any(p.requires_grad for p in g["params"])]
         self._dpk_params = list(params)
         kind = dpk_optim.DPSGD if isinstance(inner, torch.optim.SGD) else dpk_optim.DPAdam
@@ -279,7 +243,7 @@ class _Accelerated:
         eng = self._dpk_engine
         inner = self.original_optimizer
         for eg, i in zip(eng.param_groups, self._dpk_group_idx, strict=True):
-            eg.update(_hyper(inner, inner.param_groups[i], i))
+            eg.update(param_group_hypers(inner, inner.param_groups[i], i))
         sums = [p.summed_grad for p in params]
         if self._dpk_ddp:
             sums, sigma, noise = self._dpk_allreduce(sums, sigma * delta, noise)
@@ -453,7 +417,7 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
         raise TypeError("the optimizer has an instance-level step override; accelerate() would bypass it")
     # Validate everything before the class changes: a failure leaves the Opacus optimizer untouched.
     for idx, g in enumerate(inner.param_groups):
-        _hyper(inner, g, idx)
+        param_group_hypers(inner, g, idx)
     original_cls = type(dp_optimizer)
     dp_optimizer.__class__ = cls
     try:
