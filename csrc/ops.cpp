@@ -18,6 +18,12 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def("clip_factors(Tensor norms, float[] max_grad_norm, str mode, float r) -> Tensor");
   // One float32 tensor per parameter: Σ_i weights[i, l] Σ_j coeffs[j] grads[j*L+l][i].
   m.def("weighted_sum(Tensor[] grads, float[] coeffs, Tensor weights) -> Tensor[]");
+  // The three stages in one call: (sums, norms). max_grad_norm: one bound, or one per tensor with
+  // per_layer; norms are [B] (flat) or [B, L] float32. A sample with a non-finite gradient raises
+  // ValueError naming it, or with drop_nonfinite gets weight 0.
+  m.def(
+      "clip_and_accumulate(Tensor[] grads, float[] coeffs, float[] max_grad_norm, str mode, float r, "
+      "Tensor[] shift, Tensor[] scale, bool per_layer, bool drop_nonfinite) -> (Tensor[], Tensor)");
   // weighted_sum with the private epilogue: (S_l + noise_l) * out_scale, noise_l = noise_std * z(global
   // index) from Philox (seed, step, stream) generated in the same pass, or the pre-drawn noise[l] if given.
   m.def(

@@ -89,6 +89,12 @@ if _backend.has_cpu_kernels():
     def _(grads, coeffs, weights):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
+    @torch.library.register_fake("dpkernels_C::clip_and_accumulate")
+    def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, drop_nonfinite):
+        L, B = len(grads) // len(coeffs), grads[0].shape[0]
+        sums = [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[:L]]
+        return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=torch.float32)
+
     @torch.library.register_fake("dpkernels_C::privatized_sum")
     def _(grads, coeffs, weights, noise_std, seed, step, stream, out_scale, noise):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
@@ -180,11 +186,22 @@ def _clip_and_accumulate_op(
     nonfinite: str,
     backend: str,
 ) -> tuple[list[Tensor], Tensor]:
+    if backend in ("cpu", "cuda"):
+        return _native_clip_and_accumulate(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)
     C = max_grad_norm if per_layer else max_grad_norm[0]
     return ref.clip_and_accumulate(
         _unflatten(grads, len(coeffs)), C, coeffs, mode, r, shift or None, scale or None,
         per_layer, nonfinite, kernels=_kernels(backend),
     )  # fmt: skip
+
+
+def _native_clip_and_accumulate(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite):
+    """The whole pipeline as one C++/CUDA op (``dpkernels_C::clip_and_accumulate``); the same
+    composition as :func:`dpkernels.reference.clip.clip_and_accumulate`."""
+    sums, norms = torch.ops.dpkernels_C.clip_and_accumulate(
+        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite == "drop"
+    )
+    return list(sums), norms
 
 
 @_clip_and_accumulate_op.register_fake
@@ -549,8 +566,12 @@ def clip_and_accumulate(
     ``[B, L]``. ``B = 0`` is valid and gives zero sums.
     """
     batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
-    shift_v = _prepare_vectors(shift, batch, "shift")
-    scale_v = _prepare_vectors(scale, batch, "scale")
-    return _clip_and_accumulate_op(
-        batch.grads, batch.coeffs, C, mode, r, shift_v, scale_v, bool(per_layer), nonfinite, backend
-    )
+    args = (
+        batch.grads, batch.coeffs, C, mode, r, _prepare_vectors(shift, batch, "shift"),
+        _prepare_vectors(scale, batch, "scale"), bool(per_layer), nonfinite,
+    )  # fmt: skip
+    if backend in ("cpu", "cuda"):
+        # Straight to the native op (itself a registered op, so torch.compile traces it the same):
+        # the custom-op wrapper around it costs ~0.1 ms per call on a list of 150 tensors.
+        return _native_clip_and_accumulate(*args)
+    return _clip_and_accumulate_op(*args, backend)

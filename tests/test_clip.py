@@ -284,6 +284,37 @@ def test_sums_are_independent_tensors(backend_device):
     assert torch.equal(last, before[-1])  # still valid once its siblings are gone
 
 
+@pytest.mark.parametrize("opts", [{}, {"per_layer": True, "mode": "psac"}, {"coeffs": [0.7, 0.3], "shift": True}])
+def test_native_pipeline_equals_its_stages(backend_device, opts):
+    """cpu/cuda run clip_and_accumulate as one native op; it must give what the reference's
+    composition of the same backend's three stage kernels gives (weights formed in float64 from
+    the same sums of squares, so at most one rounding apart)."""
+    backend, device = backend_device
+    if backend not in ("cpu", "cuda"):
+        pytest.skip("one native op on the cpu and cuda backends only")
+    from dpkernels.clip import _native_kernels
+
+    opts = dict(opts)
+    coeffs = opts.pop("coeffs", [1.0])
+    sets = [make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device) for _ in coeffs]
+    sets[0][2][3] *= 1e4  # one sample far above the bound, so that its weight is < 1
+    shift = [torch.randn(s, device=device) for s in SHAPE_LISTS["mixed"]] if opts.pop("shift", False) else None
+    mode = opts.pop("mode", "clip")
+    r = dpkernels.clip.DEFAULT_R.get(mode, 0.0)
+    per_layer = opts.pop("per_layer", False)
+    grad_samples = sets[0] if len(sets) == 1 else sets
+    sums, norms = dpkernels.clip_and_accumulate(
+        grad_samples, 0.8, mode=mode, shift=shift, per_layer=per_layer, coeffs=coeffs, backend=backend
+    )
+    C = [0.8] * len(sets[0]) if per_layer else 0.8
+    want_sums, want_norms = ref.clip_and_accumulate(
+        sets, C, coeffs, mode, r, shift, None, per_layer, "raise", kernels=_native_kernels()
+    )
+    torch.testing.assert_close(norms, want_norms, rtol=2**-23, atol=0)
+    for a, b in zip(sums, want_sums, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-22, atol=1e-7)
+
+
 def test_cpu_result_independent_of_thread_count():
     if "cpu" not in dpkernels.available_backends("cpu"):
         pytest.skip("cpu backend not built")
@@ -402,6 +433,13 @@ def test_native_ops_reject_bad_layouts():
         ops.weighted_sum([torch.randn(3, 4)], [1.0], torch.ones(3))
     with pytest.raises(RuntimeError, match="unknown clip mode"):
         ops.clip_factors(torch.ones(3), [1.0], "nope", 0.0)
+    g = [torch.randn(3, 4), torch.randn(3, 2)]
+    with pytest.raises(RuntimeError, match="max_grad_norm must hold 1 values, got 2"):
+        ops.clip_and_accumulate(g, [1.0], [1.0, 1.0], "clip", 0.0, [], [], False, False)
+    with pytest.raises(RuntimeError, match="max_grad_norm must hold 1 or L=2 values, got 3"):
+        ops.clip_and_accumulate(g, [1.0], [1.0, 1.0, 1.0], "clip", 0.0, [], [], True, False)
+    with pytest.raises(ValueError, match="max_grad_norm must be finite and > 0"):
+        ops.clip_and_accumulate(g, [1.0], [float("nan")], "clip", 0.0, [], [], False, False)
 
 
 def test_available_backends():

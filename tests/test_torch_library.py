@@ -50,6 +50,8 @@ def test_opcheck_native_ops():
     _opcheck(ops.per_sample_sumsq.default, (g, [1.0], shift, scale))
     _opcheck(ops.clip_factors.default, (torch.rand(5, 3, dtype=torch.float64), [1.0, 2.0, 0.5], "clip", 0.0))
     _opcheck(ops.weighted_sum.default, (g, [1.0], torch.rand(5, 3)))
+    _opcheck(ops.clip_and_accumulate.default, (g, [1.0], [1.0], "clip", 0.0, shift, scale, False, False))
+    _opcheck(ops.clip_and_accumulate.default, (g + g, [0.5, 0.5], [1.0, 2.0, 3.0], "psac", 0.1, [], [], True, True))
 
 
 def test_compile_fullgraph(backend_device):

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -129,9 +130,9 @@ double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, 
   return trusted ? total : sumsq_exact<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, begin, end);
 }
 
-at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
-                                at::TensorList scale) {
-  const ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CPU);
+// The norms pass over inputs already checked into lay: [B, L] float64 sums of squares.
+at::Tensor sumsq_pass(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                      at::TensorList scale, const ClipLayout& lay) {
   std::vector<SumsqTask> tasks;
   std::vector<int64_t> cost;
   for (int64_t l = 0; l < lay.L; ++l) {
@@ -180,6 +181,12 @@ at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeff
   double* o = out.data_ptr<double>();
   for (size_t t = 0; t < tasks.size(); ++t) o[tasks[t].i * lay.L + tasks[t].l] += partial[t];
   return out;
+}
+
+at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                                at::TensorList scale) {
+  return sumsq_pass(grads, coeffs, shift, scale,
+                    check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CPU));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -300,9 +307,9 @@ void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, 
   ep.finish(l, begin, n, acc, out);
 }
 
-std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                          const at::Tensor& weights, SumEpilogue ep) {
-  const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CPU);
+// The sum pass over inputs already checked into lay, with the epilogue ep.
+std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coeffs, const at::Tensor& weights,
+                                 SumEpilogue ep, const ClipLayout& lay) {
   DPK_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                 weights.dim() == 2 && weights.size(0) == lay.B && weights.size(1) == lay.L,
             "weights must be a contiguous float32 CPU tensor [B=", lay.B, ", L=", lay.L, "], got ",
@@ -337,9 +344,43 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
   return out;
 }
 
+std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                          const at::Tensor& weights, SumEpilogue ep) {
+  return sum_pass(grads, coeffs, weights, std::move(ep),
+                  check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CPU));
+}
+
 std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
                                          const at::Tensor& weights) {
   return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{});
+}
+
+// ---------------------------------------------------------------------------------------------
+// clip_and_accumulate: the three stages in one call, so that a list of hundreds of small tensors
+// crosses the Python/dispatcher boundary once (DESIGN.md §2).
+// ---------------------------------------------------------------------------------------------
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> clip_and_accumulate_cpu(
+    at::TensorList grads, at::ArrayRef<double> coeffs, at::ArrayRef<double> max_grad_norm,
+    c10::string_view mode, double r, at::TensorList shift, at::TensorList scale, bool per_layer,
+    bool drop_nonfinite) {
+  const ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CPU);
+  const ClipMode m = parse_clip_mode(mode);
+  const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, lay.L);
+  const at::Tensor sumsq = sumsq_pass(grads, coeffs, shift, scale, lay);
+  const auto opts = at::dtype(at::kFloat);
+  auto weights = new_output({lay.B, lay.L}, opts);
+  auto norms = per_layer ? new_output({lay.B, lay.L}, opts) : new_output({lay.B}, opts);
+  std::vector<int64_t> bad;
+  for (int64_t i = 0; i < lay.B; ++i) {
+    if (!clip_sample_weights(sumsq.const_data_ptr<double>() + i * lay.L, lay.L, per_layer, m, bounds.data(),
+                             r, 1.0, weights.data_ptr<float>() + i * lay.L,
+                             norms.data_ptr<float>() + i * (per_layer ? lay.L : 1))) {
+      bad.push_back(i);
+    }
+  }
+  if (!drop_nonfinite) check_nonfinite(bad);
+  return {sum_pass(grads, coeffs, weights, SumEpilogue{}, lay), norms};
 }
 
 std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
@@ -388,6 +429,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
   m.impl("weighted_sum", &weighted_sum_cpu);
   m.impl("privatized_sum", &privatized_sum_cpu);
   m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cpu);
+  m.impl("clip_and_accumulate", &clip_and_accumulate_cpu);
 }
 
 }  // namespace dpkernels

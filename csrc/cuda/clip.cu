@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -670,6 +671,18 @@ __global__ void __launch_bounds__(kClipThreads)
   }
 }
 
+// Stage 2 of clip_and_accumulate, one thread per sample: clip_sample_weights (clip_math.h) on row i
+// of the [B, L] sums of squares; ok[i] = 0 marks a sample with a non-finite gradient.
+__global__ void __launch_bounds__(kClipThreads)
+    sample_weights_kernel(const double* __restrict__ sumsq, int64_t B, int64_t L, bool per_layer,
+                          ClipMode mode, const double* __restrict__ bounds, double r, float* __restrict__ w,
+                          float* __restrict__ norms, uint8_t* __restrict__ ok) {
+  const int64_t i = int64_t{blockIdx.x} * kClipThreads + threadIdx.x;
+  if (i >= B) return;
+  ok[i] = clip_sample_weights(sumsq + i * L, L, per_layer, mode, bounds, r, 1.0, w + i * L,
+                              norms + i * (per_layer ? L : 1));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
@@ -1018,6 +1031,40 @@ std::vector<at::Tensor> privatized_sum_chacha20_cuda(at::TensorList grads, at::A
   return weighted_sum_impl(grads, coeffs, weights, ep, {});
 }
 
+// The three stages with the same kernels as the separate ops; the weights never leave the device.
+// nonfinite="raise" copies B flags to the host (one sync, as the reference's check does).
+std::tuple<std::vector<at::Tensor>, at::Tensor> clip_and_accumulate_cuda(
+    at::TensorList grads, at::ArrayRef<double> coeffs, at::ArrayRef<double> max_grad_norm,
+    c10::string_view mode, double r, at::TensorList shift, at::TensorList scale, bool per_layer,
+    bool drop_nonfinite) {
+  const ClipMode m = parse_clip_mode(mode);
+  const at::Tensor sumsq = per_sample_sumsq_cuda(grads, coeffs, shift, scale);
+  const int64_t B = sumsq.size(0), L = sumsq.size(1);
+  const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, L);
+  const c10::cuda::CUDAGuard guard(sumsq.device());
+  const auto opts = sumsq.options().dtype(at::kFloat);
+  auto weights = new_output({B, L}, opts);
+  auto norms = per_layer ? new_output({B, L}, opts) : new_output({B}, opts);
+  if (B > 0) {
+    const at::Tensor dev_bounds = at::tensor(bounds, at::dtype(at::kDouble)).to(sumsq.device());
+    const at::Tensor ok = at::empty({B}, opts.dtype(at::kByte));
+    sample_weights_kernel<<<static_cast<unsigned>(ceil_div(B, kClipThreads)), kClipThreads, 0,
+                            at::cuda::getCurrentCUDAStream()>>>(
+        sumsq.const_data_ptr<double>(), B, L, per_layer, m, dev_bounds.const_data_ptr<double>(), r,
+        weights.data_ptr<float>(), norms.data_ptr<float>(), ok.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!drop_nonfinite) {
+      const at::Tensor host = ok.cpu();
+      std::vector<int64_t> bad;
+      for (int64_t i = 0; i < B; ++i) {
+        if (host.const_data_ptr<uint8_t>()[i] == 0) bad.push_back(i);
+      }
+      check_nonfinite(bad);
+    }
+  }
+  return {weighted_sum_impl(grads, coeffs, weights, SumEpilogue{}, {}), norms};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
@@ -1026,6 +1073,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
   m.impl("weighted_sum", &weighted_sum_cuda);
   m.impl("privatized_sum", &privatized_sum_cuda);
   m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cuda);
+  m.impl("clip_and_accumulate", &clip_and_accumulate_cuda);
 }
 
 }  // namespace dpkernels

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -113,6 +114,30 @@ inline std::vector<double> clip_bounds(at::ArrayRef<double> max_grad_norm, const
   DPK_CHECK(norms.is_contiguous(), "norms must be contiguous");
   if (max_grad_norm.size() == 1) return std::vector<double>(L, max_grad_norm[0]);
   return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
+}
+
+// The bounds of the fused pipeline: one value (flat clipping), or with per_layer one per tensor
+// (a single value stands for all L).
+inline std::vector<double> pipeline_bounds(at::ArrayRef<double> max_grad_norm, bool per_layer, int64_t L) {
+  DPK_CHECK(max_grad_norm.size() == 1 || (per_layer && static_cast<int64_t>(max_grad_norm.size()) == L),
+            "max_grad_norm must hold 1", per_layer ? " or L=" + std::to_string(L) : std::string(),
+            " values, got ", max_grad_norm.size());
+  for (const double c : max_grad_norm) {
+    TORCH_CHECK_VALUE(std::isfinite(c) && c > 0, "max_grad_norm must be finite and > 0, got ", c);
+  }
+  if (max_grad_norm.size() == 1) return std::vector<double>(per_layer ? L : 1, max_grad_norm[0]);
+  return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
+}
+
+// Raises the pipeline's ValueError for nonfinite="raise" when samples `bad` (ascending) have a
+// non-finite gradient; the message is the reference's (dpkernels/reference/clip.py check_nonfinite).
+inline void check_nonfinite(const std::vector<int64_t>& bad) {
+  if (bad.empty()) return;
+  std::string shown;
+  for (size_t q = 0; q < bad.size() && q < 20; ++q) shown += (q ? ", " : "") + std::to_string(bad[q]);
+  if (bad.size() > 20) shown += ", ...";
+  TORCH_CHECK_VALUE(false, "non-finite per-sample gradient for ", bad.size(), " sample(s) at batch indices [",
+                    shown, "]; pass nonfinite='drop' to give those samples weight 0 instead");
 }
 
 }  // namespace dpkernels

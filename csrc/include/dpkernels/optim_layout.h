@@ -127,8 +127,8 @@ inline AdamHyper parse_adam_hyper(at::ArrayRef<double> h) {
   AdamHyper a{};
   // hyper[6..8] (1 − β1^t, 1 − β2^t, 1 − β2^(t−1)) enter as reciprocals, below.
   float unused = 0.f;
-  float* f[] = {&a.inv_b, &a.lr,  &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &unused,
-                &unused,  &unused, &a.eps,  &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
+  float* f[] = {&a.inv_b, &a.lr,   &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &unused,
+                &unused,  &unused, &a.eps,   &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
   for (size_t i = 0; i < 14; ++i) *f[i] = static_cast<float>(h[i]);
   a.inv_bc1 = static_cast<float>(1.0 / h[6]);
   a.inv_bc2 = static_cast<float>(1.0 / h[7]);

@@ -67,9 +67,9 @@ struct AdamHyper {
 enum class MacAdamBC : int { kOff = 0, kPaper = 1, kB2 = 2 };
 struct MacAdamHyper {
   float inv_b, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps;  // as AdamHyper
-  float noise_var;  // (σC/B)²
-  float gamma;      // BC floor γ'
-  float h1, h2;     // clamp of ŝ
+  float noise_var;                                                                         // (σC/B)²
+  float gamma;                                                                             // BC floor γ'
+  float h1, h2;                                                                            // clamp of ŝ
   float kappa;      // κ_t; 0 skips the ŝ/b update (t = 1)
   float inv_kappa;  // 1/κ_t (0 with κ_t)
   float c_total;    // Σ_i c_i of this step's clip weights
