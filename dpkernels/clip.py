@@ -91,6 +91,9 @@ if _backend.has_cpu_kernels():
 
     @torch.library.register_fake("dpkernels_C::clip_and_accumulate")
     def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, drop_nonfinite):
+        # A list that mixes meta with real tensors is dispatched here rather than to a kernel.
+        if len({g.device for g in grads}) > 1:
+            raise RuntimeError("dpkernels: clip_and_accumulate got tensors on more than one device")
         L, B = len(grads) // len(coeffs), grads[0].shape[0]
         sums = [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[:L]]
         return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=torch.float32)
@@ -565,6 +568,10 @@ def clip_and_accumulate(
     Returns: ``sums``, one fp32 tensor per parameter shaped like it; ``norms``, fp32 ``[B]`` or
     ``[B, L]``. ``B = 0`` is valid and gives zero sums.
     """
+    if coeffs is None and shift is None and scale is None:
+        out = _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite, backend)
+        if out is not None:
+            return out
     batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
     args = (
         batch.grads, batch.coeffs, C, mode, r, _prepare_vectors(shift, batch, "shift"),
@@ -575,3 +582,33 @@ def clip_and_accumulate(
         # the custom-op wrapper around it costs ~0.1 ms per call on a list of 150 tensors.
         return _native_clip_and_accumulate(*args)
     return _clip_and_accumulate_op(*args, backend)
+
+
+def _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite, backend):
+    """:func:`clip_and_accumulate` of a plain list on the cpu/cuda backends, without the
+    per-tensor checks in Python, or ``None`` when it does not apply.
+
+    Why: the native op checks every tensor itself (dtype, batch size, shape, contiguity, device;
+    its fake kernel, where a list mixing meta and real tensors is dispatched, rejects mixed
+    devices), and the Python loop over hundreds of tensors was a fixed cost of ~0.1 ms per call,
+    ~0.3 ms with cold caches. When the op rejects the list, this returns ``None`` and the caller
+    runs the validating path, which raises the clear error that names the tensor, or copies
+    non-contiguous tensors and proceeds. The op's own ``ValueError`` (a non-finite sample under
+    ``nonfinite="raise"``) propagates.
+    """
+    if torch.compiler.is_compiling() or not isinstance(grad_samples, list) or not grad_samples:
+        return None
+    first = grad_samples[0]
+    if not isinstance(first, Tensor) or nonfinite not in ("raise", "drop"):
+        return None
+    if _backend.resolve(backend, first.device) not in ("cpu", "cuda"):
+        return None
+    r = _check_mode(mode, r)
+    C = _check_max_grad_norm(max_grad_norm, per_layer, len(grad_samples))
+    try:
+        sums, norms = torch.ops.dpkernels_C.clip_and_accumulate(
+            grad_samples, [1.0], C, mode, r, [], [], bool(per_layer), nonfinite == "drop"
+        )
+    except (RuntimeError, TypeError):
+        return None
+    return list(sums), norms
