@@ -18,22 +18,20 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def("clip_factors(Tensor norms, float[] max_grad_norm, str mode, float r) -> Tensor");
   // One float32 tensor per parameter: Σ_i weights[i, l] Σ_j coeffs[j] grads[j*L+l][i].
   m.def("weighted_sum(Tensor[] grads, float[] coeffs, Tensor weights) -> Tensor[]");
-  // The three stages in one call: (sums, norms). max_grad_norm: one bound, or one per tensor with
-  // per_layer; norms are [B] (flat) or [B, L] float32. A sample with a non-finite gradient raises
-  // ValueError naming it, or with drop_nonfinite gets weight 0.
+  // The three stages in one call (clip_and_accumulate, privatize, the optimizers' clipped sums):
+  // norms n = ||(Σ_j coeffs[j] grads[j*L+l] - shift) * scale|| * norm_scale ([B] flat, [B, L] with
+  // per_layer), weights w = f(n) for the clip mode with one bound or one per tensor ([B, L] float32,
+  // 0 for a sample with a non-finite gradient, which raises ValueError naming it unless
+  // drop_nonfinite), and per parameter (Σ_i w[i, l] Σ_j coeffs[j] grads[j*L+l][i] + ν_l) * out_scale with
+  // ν the pre-drawn noise[l], else noise_std * z(global index) from rng 'philox' (key = [seed]) or
+  // 'chacha20' (key = 4 int64 limbs; docs/RNG.md §6: formed in float64, rounded once), else none.
+  // Returns (sums, norms, weights).
   m.def(
-      "clip_and_accumulate(Tensor[] grads, float[] coeffs, float[] max_grad_norm, str mode, float r, "
-      "Tensor[] shift, Tensor[] scale, bool per_layer, bool drop_nonfinite) -> (Tensor[], Tensor)");
-  // weighted_sum with the private epilogue: (S_l + noise_l) * out_scale, noise_l = noise_std * z(global
-  // index) from Philox (seed, step, stream) generated in the same pass, or the pre-drawn noise[l] if given.
-  m.def(
-      "privatized_sum(Tensor[] grads, float[] coeffs, Tensor weights, float noise_std, int seed, int step, "
-      "int stream, float out_scale, Tensor[] noise) -> Tensor[]");
-  // Secure mode (docs/RNG.md §6): round_fp32(S_l + noise_std * z) * out_scale, z the float64 ChaCha20
-  // normal of the global index (key: 4 int64 limbs), the sum formed in float64, in the same pass.
-  m.def(
-      "privatized_sum_chacha20(Tensor[] grads, float[] coeffs, Tensor weights, float noise_std, int[] key, "
-      "int step, int stream, float out_scale) -> Tensor[]");
+      "clip_pipeline(Tensor[] grads, float[] coeffs, float[] max_grad_norm, str mode, float r, Tensor[] "
+      "shift, "
+      "Tensor[] scale, bool per_layer, bool drop_nonfinite, float norm_scale, str rng, float noise_std, "
+      "int[] "
+      "key, int step, int stream, float out_scale, Tensor[] noise) -> (Tensor[], Tensor, Tensor)");
 
   // Counter-based noise (docs/RNG.md). The 64-bit seed travels as the bits of a signed int.
   // out[i] = Philox word of element offset + i, as int64 in [0, 2^32).

@@ -7,6 +7,11 @@ namespace, plus the fused pipeline ``clip_and_accumulate``:
 2. ``clip_factors``:     ``c_i = f(n_i)``; clip, auto_s, auto_v or psac.
 3. ``weighted_sum``:     ``S = Σ_i c_i Σ_j α_j g_i^(j)``, over the raw gradients.
 
+On the ``cpu`` and ``cuda`` backends the fused ops (``clip_and_accumulate``, ``privatize`` and the
+optimizers' clipped sums) are one native op, ``dpkernels_C::clip_pipeline``: norms pass, per-sample
+weights, and the sum pass with its noise epilogue in a single call, so a list of hundreds of
+tensors crosses the Python/dispatcher boundary once.
+
 Inputs are Opacus-style per-sample gradients: a list of ``[B, *param_shape]`` tensors (fp32, fp16
 or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum (seeds/002), a list
 of ``k`` such lists with ``coeffs=[α_1..α_k]``. Non-contiguous tensors are copied to contiguous
@@ -24,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .noise import _counter_key, _from_limbs, _limbs, _signed64, _unsigned64
+from .noise import _counter_key, _from_limbs, _unsigned64
 from .reference import clip as ref
 
 CLIP_MODES = ref.CLIP_MODES
@@ -54,25 +59,21 @@ def _native_kernels():
             norms, _as_list(max_grad_norm), mode, float(r)
         ),
         weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(_flat(grad_sets), list(coeffs), weights),
-        privatized_sum=lambda grad_sets, weights, coeffs, noise_std, seed, step, stream, out_scale, noise: (
-            ops.privatized_sum(
-                _flat(grad_sets),
-                list(coeffs),
-                weights,
-                noise_std,
-                _signed64(seed),
-                step,
-                stream,
-                out_scale,
-                list(noise or []),
-            )
-        ),
-        privatized_sum_chacha20=lambda grad_sets, weights, coeffs, noise_std, key, step, stream, out_scale: (
-            ops.privatized_sum_chacha20(
-                _flat(grad_sets), list(coeffs), weights, noise_std, _limbs(key), step, stream, out_scale
-            )
-        ),
     )
+
+
+def _native_pipeline(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale=1.0,
+                     rng="none", noise_std=0.0, key=(), step=0, stream=0, out_scale=1.0, noise=()):  # fmt: skip
+    """``(sums, norms, weights)`` from one C++/CUDA op (``dpkernels_C::clip_pipeline``): the three
+    stages and the private epilogue in one call, the composition that
+    :func:`dpkernels.reference.clip.clip_weights` and ``privatized_sum`` spell out. ``grads`` is
+    flat (set-major); ``C`` one bound, or one per tensor with ``per_layer``."""
+    sums, norms, weights = torch.ops.dpkernels_C.clip_pipeline(
+        grads, list(coeffs), list(C), mode, float(r), list(shift), list(scale), bool(per_layer),
+        nonfinite == "drop", float(norm_scale), rng, float(noise_std), list(key), step, stream,
+        float(out_scale), list(noise),
+    )  # fmt: skip
+    return list(sums), norms, weights
 
 
 if _backend.has_cpu_kernels():
@@ -89,22 +90,15 @@ if _backend.has_cpu_kernels():
     def _(grads, coeffs, weights):
         return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
 
-    @torch.library.register_fake("dpkernels_C::clip_and_accumulate")
-    def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, drop_nonfinite):
+    @torch.library.register_fake("dpkernels_C::clip_pipeline")
+    def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, drop_nonfinite, *epilogue):
         # A list that mixes meta with real tensors is dispatched here rather than to a kernel.
         if len({g.device for g in grads}) > 1:
-            raise RuntimeError("dpkernels: clip_and_accumulate got tensors on more than one device")
+            raise RuntimeError("dpkernels: clip_pipeline got tensors on more than one device")
         L, B = len(grads) // len(coeffs), grads[0].shape[0]
         sums = [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[:L]]
-        return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=torch.float32)
-
-    @torch.library.register_fake("dpkernels_C::privatized_sum")
-    def _(grads, coeffs, weights, noise_std, seed, step, stream, out_scale, noise):
-        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
-
-    @torch.library.register_fake("dpkernels_C::privatized_sum_chacha20")
-    def _(grads, coeffs, weights, noise_std, key, step, stream, out_scale):
-        return [g.new_empty(g.shape[1:], dtype=torch.float32) for g in grads[: len(grads) // len(coeffs)]]
+        norms = grads[0].new_empty((B, L) if per_layer else (B,), dtype=torch.float32)
+        return sums, norms, grads[0].new_empty((B, L), dtype=torch.float32)
 
 
 def _kernels(backend: str):
@@ -190,21 +184,12 @@ def _clip_and_accumulate_op(
     backend: str,
 ) -> tuple[list[Tensor], Tensor]:
     if backend in ("cpu", "cuda"):
-        return _native_clip_and_accumulate(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)
+        return _native_pipeline(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)[:2]
     C = max_grad_norm if per_layer else max_grad_norm[0]
     return ref.clip_and_accumulate(
         _unflatten(grads, len(coeffs)), C, coeffs, mode, r, shift or None, scale or None,
         per_layer, nonfinite, kernels=_kernels(backend),
     )  # fmt: skip
-
-
-def _native_clip_and_accumulate(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite):
-    """The whole pipeline as one C++/CUDA op (``dpkernels_C::clip_and_accumulate``); the same
-    composition as :func:`dpkernels.reference.clip.clip_and_accumulate`."""
-    sums, norms = torch.ops.dpkernels_C.clip_and_accumulate(
-        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite == "drop"
-    )
-    return list(sums), norms
 
 
 @_clip_and_accumulate_op.register_fake
@@ -236,6 +221,11 @@ def _privatize_op(
     nonfinite: str,
     backend: str,
 ) -> list[Tensor]:
+    if backend in ("cpu", "cuda"):
+        return _native_privatize(
+            grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale,
+            per_layer, noise, nonfinite,
+        )  # fmt: skip
     kernels = _kernels(backend)
     sets = _unflatten(grads, len(coeffs))
     C = max_grad_norm if per_layer else max_grad_norm[0]
@@ -245,6 +235,15 @@ def _privatize_op(
         return kernels.privatized_sum_chacha20(sets, w, coeffs, noise_std, _from_limbs(key), step, stream, out_scale)
     seed = _unsigned64(key[0]) if rng == "philox" else 0  # the chacha20 key is unused without noise
     return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
+
+
+def _native_privatize(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
+                      scale, per_layer, noise, nonfinite):  # fmt: skip
+    """``privatize`` on cpu/cuda: :func:`_native_pipeline` with the noise epilogue."""
+    return _native_pipeline(
+        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, rng=rng, noise_std=noise_std,
+        key=key, step=step, stream=stream, out_scale=out_scale, noise=noise,
+    )[0]  # fmt: skip
 
 
 @_privatize_op.register_fake
@@ -534,11 +533,14 @@ def privatize(
     if noise is not None:
         noise_v = _prepare_vectors(noise, batch, "noise")
     sensitivity = math.sqrt(sum(c * c for c in C)) if per_layer else C[0]
-    return _privatize_op(
+    args = (
         batch.grads, batch.coeffs, C, float(noise_multiplier) * sensitivity, rng, key, step, stream,
         1.0 / B, mode, r, _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale"),
-        bool(per_layer), noise_v, nonfinite, backend,
+        bool(per_layer), noise_v, nonfinite,
     )  # fmt: skip
+    if backend in ("cpu", "cuda"):
+        return _native_privatize(*args)  # the custom-op wrapper is skipped, as in clip_and_accumulate
+    return _privatize_op(*args, backend)
 
 
 def clip_and_accumulate(
@@ -580,7 +582,7 @@ def clip_and_accumulate(
     if backend in ("cpu", "cuda"):
         # Straight to the native op (itself a registered op, so torch.compile traces it the same):
         # the custom-op wrapper around it costs ~0.1 ms per call on a list of 150 tensors.
-        return _native_clip_and_accumulate(*args)
+        return _native_pipeline(*args)[:2]
     return _clip_and_accumulate_op(*args, backend)
 
 
@@ -606,9 +608,6 @@ def _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite
     r = _check_mode(mode, r)
     C = _check_max_grad_norm(max_grad_norm, per_layer, len(grad_samples))
     try:
-        sums, norms = torch.ops.dpkernels_C.clip_and_accumulate(
-            grad_samples, [1.0], C, mode, r, [], [], bool(per_layer), nonfinite == "drop"
-        )
+        return _native_pipeline(grad_samples, [1.0], C, mode, r, [], [], per_layer, nonfinite)[:2]
     except (RuntimeError, TypeError):
         return None
-    return list(sums), norms

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import _backend
 from .clip import _kernels as _clip_kernels
+from .clip import _native_pipeline
 from .noise import RNGS, _signed64, fresh_key, gaussian_noise
 from .reference import clip as ref_clip
 from .reference import optim as ref
@@ -150,6 +151,12 @@ class _Fused:
 
     def _clip_sums(self, grad_sets, C, *, coeffs=(1.0,), shift=None, scale=None, norm_scale=1.0):
         """``(S, c)``: fp32 clipped sums per parameter and the per-sample weights ``[B]``."""
+        if self.backend in ("cpu", "cuda"):
+            flat = [g.contiguous() for gs in grad_sets for g in gs]
+            sums, _, w = _native_pipeline(
+                flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", norm_scale=norm_scale
+            )
+            return sums, w[:, 0]
         kernels = _clip_kernels(self.backend)
         sets = [[g.contiguous() for g in gs] for gs in grad_sets]
         w, _ = ref_clip.clip_weights(

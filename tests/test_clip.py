@@ -434,12 +434,18 @@ def test_native_ops_reject_bad_layouts():
     with pytest.raises(RuntimeError, match="unknown clip mode"):
         ops.clip_factors(torch.ones(3), [1.0], "nope", 0.0)
     g = [torch.randn(3, 4), torch.randn(3, 2)]
+    plain = (1.0, "none", 0.0, [], 0, 0, 1.0, [])
     with pytest.raises(RuntimeError, match="max_grad_norm must hold 1 values, got 2"):
-        ops.clip_and_accumulate(g, [1.0], [1.0, 1.0], "clip", 0.0, [], [], False, False)
+        ops.clip_pipeline(g, [1.0], [1.0, 1.0], "clip", 0.0, [], [], False, False, *plain)
     with pytest.raises(RuntimeError, match="max_grad_norm must hold 1 or L=2 values, got 3"):
-        ops.clip_and_accumulate(g, [1.0], [1.0, 1.0, 1.0], "clip", 0.0, [], [], True, False)
+        ops.clip_pipeline(g, [1.0], [1.0, 1.0, 1.0], "clip", 0.0, [], [], True, False, *plain)
     with pytest.raises(ValueError, match="max_grad_norm must be finite and > 0"):
-        ops.clip_and_accumulate(g, [1.0], [float("nan")], "clip", 0.0, [], [], False, False)
+        ops.clip_pipeline(g, [1.0], [float("nan")], "clip", 0.0, [], [], False, False, *plain)
+    with pytest.raises(RuntimeError, match="rng must be 'none', 'philox' or 'chacha20'"):
+        ops.clip_pipeline(g, [1.0], [1.0], "clip", 0.0, [], [], False, False, 1.0, "mt", 1.0, [1], 0, 0, 1.0, [])
+    with pytest.raises(RuntimeError, match="noise\\[1\\] must be a contiguous float32 tensor"):
+        noise = [torch.zeros(4), torch.zeros(3)]
+        ops.clip_pipeline(g, [1.0], [1.0], "clip", 0.0, [], [], False, False, 1.0, "none", 0.0, [], 0, 0, 1.0, noise)
 
 
 def test_available_backends():

@@ -354,8 +354,8 @@ def test_opcheck_secure_mode_ops(backend_device):
     if backend in ("cpu", "cuda"):
         native = torch.ops.dpkernels_C
         g = [torch.randn(5, 7, 3, device=device), torch.randn(5, 11, device=device)]
-        _opcheck(
-            native.privatized_sum_chacha20.default, (g, [1.0], torch.rand(5, 2, device=device), 1.0, key, 3, 1, 0.25)
-        )
+        pipeline = (g, [1.0], [1.0], "clip", 0.0, [], [], False, False, 1.0)
+        _opcheck(native.clip_pipeline.default, (*pipeline, "chacha20", 1.0, key, 3, 1, 0.25, []))
+        _opcheck(native.clip_pipeline.default, (*pipeline, "philox", 1.0, [-7], 3, 1, 0.25, []))
         _opcheck(native.chacha20_add_gaussian_noise_.default, (tensors, 0.5, key, 3, 1, 5))
         _opcheck(native.chacha20_uint32_.default, (torch.empty(9, dtype=torch.int64, device=device), key, 3, 1, 5))

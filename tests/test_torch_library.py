@@ -50,8 +50,14 @@ def test_opcheck_native_ops():
     _opcheck(ops.per_sample_sumsq.default, (g, [1.0], shift, scale))
     _opcheck(ops.clip_factors.default, (torch.rand(5, 3, dtype=torch.float64), [1.0, 2.0, 0.5], "clip", 0.0))
     _opcheck(ops.weighted_sum.default, (g, [1.0], torch.rand(5, 3)))
-    _opcheck(ops.clip_and_accumulate.default, (g, [1.0], [1.0], "clip", 0.0, shift, scale, False, False))
-    _opcheck(ops.clip_and_accumulate.default, (g + g, [0.5, 0.5], [1.0, 2.0, 3.0], "psac", 0.1, [], [], True, True))
+    plain = ("none", 0.0, [], 0, 0, 1.0, [])
+    _opcheck(ops.clip_pipeline.default, (g, [1.0], [1.0], "clip", 0.0, shift, scale, False, False, 0.5, *plain))
+    _opcheck(
+        ops.clip_pipeline.default, (g + g, [0.5, 0.5], [1.0, 2.0, 3.0], "psac", 0.1, [], [], True, True, 1.0, *plain)
+    )
+    noise = [torch.randn(s.shape[1:]) for s in g]
+    _opcheck(ops.clip_pipeline.default, (g, [1.0], [1.0], "auto_s", 0.1, [], [], False, False, 1.0, "philox", 0.0,
+                                         [3], 2, 0, 0.125, noise))  # fmt: skip
 
 
 def test_compile_fullgraph(backend_device):

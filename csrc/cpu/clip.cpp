@@ -354,81 +354,62 @@ std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coef
   return out;
 }
 
-std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                          const at::Tensor& weights, SumEpilogue ep) {
-  return sum_pass(grads, coeffs, weights, std::move(ep),
+std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
+                                         const at::Tensor& weights) {
+  return sum_pass(grads, coeffs, weights, SumEpilogue{},
                   check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CPU));
 }
 
-std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                         const at::Tensor& weights) {
-  return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{});
+// ---------------------------------------------------------------------------------------------
+// clip_pipeline: the three stages in one call (clip_and_accumulate, privatize and the optimizers'
+// clipped sums), so that a list of hundreds of small tensors crosses the Python/dispatcher
+// boundary once (DESIGN.md §2).
+// ---------------------------------------------------------------------------------------------
+
+// The sum pass's epilogue for a pipeline call: pre-drawn noise, Philox or ChaCha20 noise of std
+// noise_std, or none; then out_scale.
+SumEpilogue pipeline_epilogue(const NoiseSpec& spec, at::TensorList noise, const ClipLayout& lay,
+                              at::TensorList grads) {
+  SumEpilogue ep;
+  ep.std = static_cast<float>(spec.noise_std);
+  ep.scale = static_cast<float>(spec.out_scale);
+  if (!noise.empty()) {
+    check_noise_list(noise, grads, lay);
+    for (const at::Tensor& z : noise) ep.noise.push_back(z.const_data_ptr<float>());
+  } else if (spec.rng == NoiseRng::kPhilox) {
+    ep.philox = true;
+    ep.key = make_key(spec.key[0], spec.step, spec.stream);
+  } else if (spec.rng == NoiseRng::kChacha20) {
+    ep.chacha = true;
+    ep.std64 = spec.noise_std;
+    ep.chacha_key = make_chacha_key(spec.key, spec.step, spec.stream);
+  }
+  return ep;
 }
 
-// ---------------------------------------------------------------------------------------------
-// clip_and_accumulate: the three stages in one call, so that a list of hundreds of small tensors
-// crosses the Python/dispatcher boundary once (DESIGN.md §2).
-// ---------------------------------------------------------------------------------------------
-
-std::tuple<std::vector<at::Tensor>, at::Tensor> clip_and_accumulate_cpu(
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cpu(
     at::TensorList grads, at::ArrayRef<double> coeffs, at::ArrayRef<double> max_grad_norm,
     c10::string_view mode, double r, at::TensorList shift, at::TensorList scale, bool per_layer,
-    bool drop_nonfinite) {
+    bool drop_nonfinite, double norm_scale, c10::string_view rng, double noise_std, at::IntArrayRef key,
+    int64_t step, int64_t stream, double out_scale, at::TensorList noise) {
   const ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CPU);
   const ClipMode m = parse_clip_mode(mode);
   const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, lay.L);
+  const NoiseSpec spec = parse_noise_spec(rng, noise_std, key, step, stream, out_scale);
   const at::Tensor sumsq = sumsq_pass(grads, coeffs, shift, scale, lay);
   const auto opts = at::dtype(at::kFloat);
   auto weights = new_output({lay.B, lay.L}, opts);
   auto norms = per_layer ? new_output({lay.B, lay.L}, opts) : new_output({lay.B}, opts);
   std::vector<int64_t> bad;
   for (int64_t i = 0; i < lay.B; ++i) {
-    if (!clip_sample_weights(sumsq.const_data_ptr<double>() + i * lay.L, lay.L, per_layer, m, bounds.data(),
-                             r, 1.0, weights.data_ptr<float>() + i * lay.L,
+    if (!clip_sample_weights(sumsq.const_data_ptr<double>() + i * lay.L, static_cast<int>(lay.L), per_layer,
+                             m, bounds.data(), r, norm_scale, weights.data_ptr<float>() + i * lay.L,
                              norms.data_ptr<float>() + i * (per_layer ? lay.L : 1))) {
       bad.push_back(i);
     }
   }
   if (!drop_nonfinite) check_nonfinite(bad);
-  return {sum_pass(grads, coeffs, weights, SumEpilogue{}, lay), norms};
-}
-
-std::vector<at::Tensor> privatized_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                           const at::Tensor& weights, double noise_std, int64_t seed,
-                                           int64_t step, int64_t stream, double out_scale,
-                                           at::TensorList noise) {
-  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
-  SumEpilogue ep;
-  ep.std = static_cast<float>(noise_std);
-  ep.scale = static_cast<float>(out_scale);
-  if (!noise.empty()) {
-    const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
-    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L,
-              "), got ", noise.size());
-    for (int64_t l = 0; l < L; ++l) {
-      DPK_CHECK(noise[l].device().is_cpu() && noise[l].scalar_type() == at::kFloat &&
-                    noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),
-                "noise[", l, "] must be a contiguous float32 CPU tensor shaped like parameter ", l);
-      ep.noise.push_back(noise[l].const_data_ptr<float>());
-    }
-  } else if (noise_std > 0) {
-    ep.philox = true;
-    ep.key = make_key(seed, step, stream);
-  }
-  return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
-}
-
-std::vector<at::Tensor> privatized_sum_chacha20_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                                    const at::Tensor& weights, double noise_std,
-                                                    at::IntArrayRef key, int64_t step, int64_t stream,
-                                                    double out_scale) {
-  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
-  SumEpilogue ep;
-  ep.scale = static_cast<float>(out_scale);
-  ep.chacha = true;
-  ep.std64 = noise_std;
-  ep.chacha_key = make_chacha_key(key, step, stream);
-  return weighted_sum_impl(grads, coeffs, weights, std::move(ep));
+  return {sum_pass(grads, coeffs, weights, pipeline_epilogue(spec, noise, lay, grads), lay), norms, weights};
 }
 
 }  // namespace
@@ -437,9 +418,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
   m.impl("per_sample_sumsq", &per_sample_sumsq_cpu);
   m.impl("clip_factors", &clip_factors_cpu);
   m.impl("weighted_sum", &weighted_sum_cpu);
-  m.impl("privatized_sum", &privatized_sum_cpu);
-  m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cpu);
-  m.impl("clip_and_accumulate", &clip_and_accumulate_cpu);
+  m.impl("clip_pipeline", &clip_pipeline_cpu);
 }
 
 }  // namespace dpkernels

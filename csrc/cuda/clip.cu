@@ -16,8 +16,8 @@
 // results are bitwise reproducible from run to run.
 //
 // [note: private epilogue]
-// privatized_sum is weighted_sum with an epilogue on the value each thread writes: out = (S + ν) * scale,
-// ν = std * z(g) for the global flat index g of the element over the parameter list (docs/RNG.md), or
+// clip_pipeline's sum pass is weighted_sum with an epilogue on the value each thread writes: out = (S + ν) *
+// scale, ν = std * z(g) for the global flat index g of the element over the parameter list (docs/RNG.md), or
 // the pre-drawn noise tensor's element. The same kernel template serves both ops: its kPrivate = false
 // instantiation is the plain weighted sum, which never reads the epilogue. Philox mode generates the
 // noise in registers as the result is written, so it never exists in memory (DESIGN.md §3). Secure mode
@@ -671,16 +671,16 @@ __global__ void __launch_bounds__(kClipThreads)
   }
 }
 
-// Stage 2 of clip_and_accumulate, one thread per sample: clip_sample_weights (clip_math.h) on row i
+// Stage 2 of clip_pipeline, one thread per sample: clip_sample_weights (clip_math.h) on row i
 // of the [B, L] sums of squares; ok[i] = 0 marks a sample with a non-finite gradient.
 __global__ void __launch_bounds__(kClipThreads)
     sample_weights_kernel(const double* __restrict__ sumsq, int64_t B, int64_t L, bool per_layer,
-                          ClipMode mode, const double* __restrict__ bounds, double r, float* __restrict__ w,
-                          float* __restrict__ norms, uint8_t* __restrict__ ok) {
+                          ClipMode mode, const double* __restrict__ bounds, double r, double norm_scale,
+                          float* __restrict__ w, float* __restrict__ norms, uint8_t* __restrict__ ok) {
   const int64_t i = int64_t{blockIdx.x} * kClipThreads + threadIdx.x;
   if (i >= B) return;
-  ok[i] = clip_sample_weights(sumsq + i * L, L, per_layer, mode, bounds, r, 1.0, w + i * L,
-                              norms + i * (per_layer ? L : 1));
+  ok[i] = clip_sample_weights(sumsq + i * L, static_cast<int>(L), per_layer, mode, bounds, r, norm_scale,
+                              w + i * L, norms + i * (per_layer ? L : 1));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -905,7 +905,7 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
 }
 
 // The weighted sum with the epilogue ep (mode kNone: the plain op). noise: empty, or the pre-drawn
-// noise of every parameter (ep.mode == kNoise), already checked by privatized_sum_cuda.
+// noise of every parameter (ep.mode == kNoise), already checked by clip_pipeline_cuda.
 std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
                                           const at::Tensor& weights, const SumEpilogue& ep,
                                           at::TensorList noise) {
@@ -978,91 +978,76 @@ std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<dou
   return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{}, {});
 }
 
-std::vector<at::Tensor> privatized_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                            const at::Tensor& weights, double noise_std, int64_t seed,
-                                            int64_t step, int64_t stream, double out_scale,
-                                            at::TensorList noise) {
-  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+// The sum pass's epilogue for a pipeline call (clip_layout.h NoiseSpec). The ChaCha20 key words
+// travel in a device array, returned in *table: the caller keeps it alive until after the launch
+// (the caching allocator then orders its reuse after the kernel on this stream).
+SumEpilogue pipeline_epilogue(const NoiseSpec& spec, bool has_noise, const c10::Device& device,
+                              at::Tensor* table) {
   SumEpilogue ep;
-  ep.std = static_cast<float>(noise_std);
-  ep.scale = static_cast<float>(out_scale);
-  ep.mode = SumMode::kScale;
-  if (!noise.empty()) {
-    const int64_t L = static_cast<int64_t>(grads.size() / std::max<size_t>(coeffs.size(), 1));
-    DPK_CHECK(static_cast<int64_t>(noise.size()) == L, "noise must hold one tensor per parameter (", L,
-              "), got ", noise.size());
-    for (int64_t l = 0; l < L; ++l) {
-      DPK_CHECK(noise[l].device() == grads[l].device() && noise[l].scalar_type() == at::kFloat &&
-                    noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),
-                "noise[", l, "] must be a contiguous float32 tensor shaped like parameter ", l, " ",
-                grads[l].sizes().slice(1), " on ", grads[l].device(), ", got ", noise[l].sizes(), " ",
-                noise[l].scalar_type(), " on ", noise[l].device());
-    }
+  ep.std = static_cast<float>(spec.noise_std);
+  ep.scale = static_cast<float>(spec.out_scale);
+  // Scale 1 and no noise is the plain weighted sum (the kernel's non-private instantiation).
+  ep.mode = spec.out_scale == 1.0 ? SumMode::kNone : SumMode::kScale;
+  if (has_noise) {
     ep.mode = SumMode::kNoise;
-  } else if (noise_std > 0) {
-    const NoiseKey key = make_key(seed, step, stream);
+  } else if (spec.rng == NoiseRng::kPhilox) {
+    const NoiseKey key = make_key(spec.key[0], spec.step, spec.stream);
     ep.mode = SumMode::kPhilox;
     ep.seed = key.seed;
     ep.step = key.step;
     ep.stream = key.stream;
+  } else if (spec.rng == NoiseRng::kChacha20) {
+    const ChachaKey k = make_chacha_key(spec.key, spec.step, spec.stream);
+    uint64_t std_bits;
+    std::memcpy(&std_bits, &spec.noise_std, sizeof(std_bits));
+    std::vector<int32_t> words(k.k, k.k + 8);
+    for (const uint32_t v :
+         {k.step, k.stream, static_cast<uint32_t>(std_bits), static_cast<uint32_t>(std_bits >> 32)})
+      words.push_back(static_cast<int32_t>(v));
+    *table = at::tensor(words, at::dtype(at::kInt)).to(device);
+    ep.mode = SumMode::kChacha;
+    ep.chacha = reinterpret_cast<const uint32_t*>(table->const_data_ptr<int32_t>());
   }
-  return weighted_sum_impl(grads, coeffs, weights, ep, noise);
-}
-
-std::vector<at::Tensor> privatized_sum_chacha20_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                                     const at::Tensor& weights, double noise_std,
-                                                     at::IntArrayRef key, int64_t step, int64_t stream,
-                                                     double out_scale) {
-  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
-  DPK_CHECK(!grads.empty() && grads[0].is_cuda(), "grads must be CUDA tensors");
-  const ChachaKey k = make_chacha_key(key, step, stream);
-  uint64_t std_bits;
-  std::memcpy(&std_bits, &noise_std, sizeof(std_bits));
-  std::vector<int32_t> words(k.k, k.k + 8);
-  for (const uint32_t v :
-       {k.step, k.stream, static_cast<uint32_t>(std_bits), static_cast<uint32_t>(std_bits >> 32)})
-    words.push_back(static_cast<int32_t>(v));
-  // Freed after the launch: the caching allocator orders its reuse after the kernel on this stream.
-  const at::Tensor table = at::tensor(words, at::dtype(at::kInt)).to(grads[0].device());
-  SumEpilogue ep;
-  ep.scale = static_cast<float>(out_scale);
-  ep.mode = SumMode::kChacha;
-  ep.chacha = reinterpret_cast<const uint32_t*>(table.const_data_ptr<int32_t>());
-  return weighted_sum_impl(grads, coeffs, weights, ep, {});
+  return ep;
 }
 
 // The three stages with the same kernels as the separate ops; the weights never leave the device.
-// nonfinite="raise" copies B flags to the host (one sync, as the reference's check does).
-std::tuple<std::vector<at::Tensor>, at::Tensor> clip_and_accumulate_cuda(
+// drop_nonfinite = false copies B flags to the host (one sync, as the reference's check does).
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
     at::TensorList grads, at::ArrayRef<double> coeffs, at::ArrayRef<double> max_grad_norm,
     c10::string_view mode, double r, at::TensorList shift, at::TensorList scale, bool per_layer,
-    bool drop_nonfinite) {
+    bool drop_nonfinite, double norm_scale, c10::string_view rng, double noise_std, at::IntArrayRef key,
+    int64_t step, int64_t stream, double out_scale, at::TensorList noise) {
   const ClipMode m = parse_clip_mode(mode);
+  const NoiseSpec spec = parse_noise_spec(rng, noise_std, key, step, stream, out_scale);
   const at::Tensor sumsq = per_sample_sumsq_cuda(grads, coeffs, shift, scale);
-  const int64_t B = sumsq.size(0), L = sumsq.size(1);
-  const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, L);
+  const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
+  if (!noise.empty()) check_noise_list(noise, grads, lay);
+  const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, lay.L);
   const c10::cuda::CUDAGuard guard(sumsq.device());
   const auto opts = sumsq.options().dtype(at::kFloat);
-  auto weights = new_output({B, L}, opts);
-  auto norms = per_layer ? new_output({B, L}, opts) : new_output({B}, opts);
-  if (B > 0) {
+  auto weights = new_output({lay.B, lay.L}, opts);
+  auto norms = per_layer ? new_output({lay.B, lay.L}, opts) : new_output({lay.B}, opts);
+  if (lay.B > 0) {
     const at::Tensor dev_bounds = at::tensor(bounds, at::dtype(at::kDouble)).to(sumsq.device());
-    const at::Tensor ok = at::empty({B}, opts.dtype(at::kByte));
-    sample_weights_kernel<<<static_cast<unsigned>(ceil_div(B, kClipThreads)), kClipThreads, 0,
+    const at::Tensor ok = at::empty({lay.B}, opts.dtype(at::kByte));
+    sample_weights_kernel<<<static_cast<unsigned>(ceil_div(lay.B, kClipThreads)), kClipThreads, 0,
                             at::cuda::getCurrentCUDAStream()>>>(
-        sumsq.const_data_ptr<double>(), B, L, per_layer, m, dev_bounds.const_data_ptr<double>(), r,
-        weights.data_ptr<float>(), norms.data_ptr<float>(), ok.data_ptr<uint8_t>());
+        sumsq.const_data_ptr<double>(), lay.B, lay.L, per_layer, m, dev_bounds.const_data_ptr<double>(), r,
+        norm_scale, weights.data_ptr<float>(), norms.data_ptr<float>(), ok.data_ptr<uint8_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!drop_nonfinite) {
       const at::Tensor host = ok.cpu();
       std::vector<int64_t> bad;
-      for (int64_t i = 0; i < B; ++i) {
+      for (int64_t i = 0; i < lay.B; ++i) {
         if (host.const_data_ptr<uint8_t>()[i] == 0) bad.push_back(i);
       }
       check_nonfinite(bad);
     }
   }
-  return {weighted_sum_impl(grads, coeffs, weights, SumEpilogue{}, {}), norms};
+  at::Tensor table;
+  const SumEpilogue ep = pipeline_epilogue(spec, !noise.empty(), sumsq.device(), &table);
+  return {weighted_sum_impl(grads, coeffs, weights, ep, noise), norms, weights};
 }
 
 }  // namespace
@@ -1071,9 +1056,7 @@ TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
   m.impl("per_sample_sumsq", &per_sample_sumsq_cuda);
   m.impl("clip_factors", &clip_factors_cuda);
   m.impl("weighted_sum", &weighted_sum_cuda);
-  m.impl("privatized_sum", &privatized_sum_cuda);
-  m.impl("privatized_sum_chacha20", &privatized_sum_chacha20_cuda);
-  m.impl("clip_and_accumulate", &clip_and_accumulate_cuda);
+  m.impl("clip_pipeline", &clip_pipeline_cuda);
 }
 
 }  // namespace dpkernels

@@ -129,6 +129,47 @@ inline std::vector<double> pipeline_bounds(at::ArrayRef<double> max_grad_norm, b
   return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
 }
 
+// The noise of a clip_pipeline call (csrc/ops.cpp): none, Philox (key = [seed]) or ChaCha20 (key = 4
+// limbs); the sum pass writes (S + noise) * out_scale.
+enum class NoiseRng { kNone, kPhilox, kChacha20 };
+struct NoiseSpec {
+  NoiseRng rng = NoiseRng::kNone;
+  double noise_std = 0.0, out_scale = 1.0;
+  at::IntArrayRef key;
+  int64_t step = 0, stream = 0;
+};
+
+inline NoiseSpec parse_noise_spec(c10::string_view rng, double noise_std, at::IntArrayRef key, int64_t step,
+                                  int64_t stream, double out_scale) {
+  DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
+  DPK_CHECK(std::isfinite(out_scale), "out_scale must be finite, got ", out_scale);
+  NoiseSpec spec{NoiseRng::kNone, noise_std, out_scale, key, step, stream};
+  if (rng == "philox") {
+    DPK_CHECK(key.size() == 1, "philox takes a 1-element key (the seed), got ", key.size());
+    spec.rng = NoiseRng::kPhilox;
+  } else if (rng == "chacha20") {
+    spec.rng = NoiseRng::kChacha20;  // make_chacha_key checks the 4 limbs
+  } else {
+    DPK_CHECK(rng == "none", "rng must be 'none', 'philox' or 'chacha20', got '", std::string(rng), "'");
+  }
+  // No noise to draw: the plain (or pre-drawn noise) epilogue.
+  if (noise_std == 0.0) spec.rng = NoiseRng::kNone;
+  return spec;
+}
+
+// A pre-drawn noise list: one contiguous float32 tensor per parameter, shaped like it and on its device.
+inline void check_noise_list(at::TensorList noise, at::TensorList grads, const ClipLayout& lay) {
+  DPK_CHECK(static_cast<int64_t>(noise.size()) == lay.L, "noise must hold one tensor per parameter (", lay.L,
+            "), got ", noise.size());
+  for (int64_t l = 0; l < lay.L; ++l) {
+    DPK_CHECK(noise[l].device() == grads[l].device() && noise[l].scalar_type() == at::kFloat &&
+                  noise[l].is_contiguous() && noise[l].sizes() == grads[l].sizes().slice(1),
+              "noise[", l, "] must be a contiguous float32 tensor shaped like parameter ", l, " ",
+              grads[l].sizes().slice(1), " on ", grads[l].device(), ", got ", noise[l].sizes(), " ",
+              noise[l].scalar_type(), " on ", noise[l].device());
+  }
+}
+
 // Raises the pipeline's ValueError for nonfinite="raise" when samples `bad` (ascending) have a
 // non-finite gradient; the message is the reference's (dpkernels/reference/clip.py check_nonfinite).
 inline void check_nonfinite(const std::vector<int64_t>& bad) {

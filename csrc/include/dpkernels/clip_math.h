@@ -55,13 +55,14 @@ DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
 // and the weight of every tensor, w_l = clip_weight(n, C) with C = bounds[0] (flat) or bounds[l].
 // The weights are formed in double, as the reference forms them from its fp64 norms, then rounded
 // to fp32 (the gradients' compute type). A sample with a non-finite s_l gets weight 0 on every
-// tensor, so that the weighted sum can skip it; returns whether the sample is finite.
-DPK_HOST_DEVICE inline bool clip_sample_weights(const double* s, int64_t L, bool per_layer, ClipMode mode,
+// tensor, so that the weighted sum can skip it; returns whether the sample is finite. (L and the
+// loop indices are int: with int64 ones ptxas spilled this loop on sm_90.)
+DPK_HOST_DEVICE inline bool clip_sample_weights(const double* s, int L, bool per_layer, ClipMode mode,
                                                 const double* bounds, double r, double norm_scale, float* w,
                                                 float* norms) {
   bool finite = true;
   double total = 0.0;
-  for (int64_t l = 0; l < L; ++l) {
+  for (int l = 0; l < L; ++l) {
     // x - x is 0 for finite x and NaN for Inf or NaN.
     finite &= (s[l] - s[l] == 0.0);
     total += s[l];
@@ -69,11 +70,11 @@ DPK_HOST_DEVICE inline bool clip_sample_weights(const double* s, int64_t L, bool
   if (!per_layer) {
     const double n = sqrt(total) * norm_scale;
     const float c = finite ? static_cast<float>(clip_weight<double>(mode, n, bounds[0], r)) : 0.f;
-    for (int64_t l = 0; l < L; ++l) w[l] = c;
+    for (int l = 0; l < L; ++l) w[l] = c;
     norms[0] = static_cast<float>(n);
     return finite;
   }
-  for (int64_t l = 0; l < L; ++l) {
+  for (int l = 0; l < L; ++l) {
     const double n = sqrt(s[l]) * norm_scale;
     w[l] = finite ? static_cast<float>(clip_weight<double>(mode, n, bounds[l], r)) : 0.f;
     norms[l] = static_cast<float>(n);
