@@ -783,11 +783,18 @@ void dispatch_shift_scale(bool has_shift, bool has_scale, const F& f) {
   }
 }
 
-at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
-                                 at::TensorList scale) {
-  const ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CUDA);
+// Every check of the clipping ops' inputs, once per call: the layout, one device, the set count.
+ClipLayout check_cuda_inputs(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                             at::TensorList scale) {
+  ClipLayout lay = check_clip_inputs(grads, coeffs, shift, scale, c10::DeviceType::CUDA);
   check_one_device(grads, shift, scale);
   check_num_sets(lay.k);
+  return lay;
+}
+
+// The norms pass over inputs already checked into lay: [B, L] float64 sums of squares.
+at::Tensor sumsq_pass(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                      at::TensorList scale, const ClipLayout& lay) {
   const c10::cuda::CUDAGuard guard(grads[0].device());
   const auto opts = grads[0].options().dtype(at::kDouble);
   const auto groups = group_by_dtype(grads, lay.L);
@@ -866,6 +873,11 @@ at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coef
   return out;
 }
 
+at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
+                                 at::TensorList scale) {
+  return sumsq_pass(grads, coeffs, shift, scale, check_cuda_inputs(grads, coeffs, shift, scale));
+}
+
 at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm,
                              c10::string_view mode, double r) {
   DPK_CHECK(norms.is_cuda(), "norms must be a CUDA tensor for the cuda kernel, got ", norms.device());
@@ -904,14 +916,11 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
   return out;
 }
 
-// The weighted sum with the epilogue ep (mode kNone: the plain op). noise: empty, or the pre-drawn
-// noise of every parameter (ep.mode == kNoise), already checked by clip_pipeline_cuda.
-std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<double> coeffs,
-                                          const at::Tensor& weights, const SumEpilogue& ep,
-                                          at::TensorList noise) {
-  const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
-  check_one_device(grads, {}, {});
-  check_num_sets(lay.k);
+// The sum pass over inputs already checked into lay, with the epilogue ep (mode kNone: the plain op).
+// noise: empty, or the pre-drawn noise of every parameter (ep.mode == kNoise), already checked by
+// clip_pipeline_cuda.
+std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coeffs, const at::Tensor& weights,
+                                 const SumEpilogue& ep, at::TensorList noise, const ClipLayout& lay) {
   DPK_CHECK(weights.device() == grads[0].device() && weights.scalar_type() == at::kFloat &&
                 weights.is_contiguous() && weights.dim() == 2 && weights.size(0) == lay.B &&
                 weights.size(1) == lay.L,
@@ -975,7 +984,7 @@ std::vector<at::Tensor> weighted_sum_impl(at::TensorList grads, at::ArrayRef<dou
 
 std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
                                           const at::Tensor& weights) {
-  return weighted_sum_impl(grads, coeffs, weights, SumEpilogue{}, {});
+  return sum_pass(grads, coeffs, weights, SumEpilogue{}, {}, check_cuda_inputs(grads, coeffs, {}, {}));
 }
 
 // The sum pass's epilogue for a pipeline call (clip_layout.h NoiseSpec). The ChaCha20 key words
@@ -1020,9 +1029,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
     int64_t step, int64_t stream, double out_scale, at::TensorList noise) {
   const ClipMode m = parse_clip_mode(mode);
   const NoiseSpec spec = parse_noise_spec(rng, noise_std, key, step, stream, out_scale);
-  const at::Tensor sumsq = per_sample_sumsq_cuda(grads, coeffs, shift, scale);
-  const ClipLayout lay = check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CUDA);
+  const ClipLayout lay = check_cuda_inputs(grads, coeffs, shift, scale);
   if (!noise.empty()) check_noise_list(noise, grads, lay);
+  const at::Tensor sumsq = sumsq_pass(grads, coeffs, shift, scale, lay);
   const std::vector<double> bounds = pipeline_bounds(max_grad_norm, per_layer, lay.L);
   const c10::cuda::CUDAGuard guard(sumsq.device());
   const auto opts = sumsq.options().dtype(at::kFloat);
@@ -1047,7 +1056,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
   }
   at::Tensor table;
   const SumEpilogue ep = pipeline_epilogue(spec, !noise.empty(), sumsq.device(), &table);
-  return {weighted_sum_impl(grads, coeffs, weights, ep, noise), norms, weights};
+  return {sum_pass(grads, coeffs, weights, ep, noise, lay), norms, weights};
 }
 
 }  // namespace
