@@ -1,8 +1,8 @@
 // CPU kernels of the per-sample clipping ops (schemas in csrc/ops.cpp, math in clip_math.h).
 //
-// Both streaming ops cut the whole tensor list into tasks of bounded size and hand each thread
-// a contiguous run of tasks of about equal cost (cpu::parallel_over_tasks, stream_cpu.h), so one
-// call covers hundreds of tensors with a single parallel region and no per-tensor dispatch.
+// Both streaming passes cut the whole tensor list into tasks of bounded size, which the threads
+// claim in contiguous runs of about equal cost (cpu::parallel_over_tasks, stream_cpu.h), so one
+// pass covers hundreds of tensors with a single parallel region and no per-tensor dispatch.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -4,7 +4,7 @@
 //
 // A call's tensors are laid end to end in the global element index (offset + position in the
 // list, the index the Philox noise is keyed by, docs/RNG.md). The list is cut into tasks of at
-// most kTask elements of one tensor, and each thread takes a contiguous run of tasks of about
+// most kTask elements of one tensor, and the threads claim contiguous runs of tasks of about
 // equal cost (parallel_over_tasks): one parallel region per call, however many tensors. A task is
 // walked in chunks of at most kChunk elements whose boundaries sit at multiples of kChunk of the
 // global index, so a chunk's noise is whole Philox runs (cpu::normals wastes nothing) and its
@@ -19,6 +19,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -39,23 +40,31 @@ constexpr int64_t kTask = 32 * kChunk;
 // Fixed cost of a task, in elements, so that many tiny tensors are not counted as free.
 constexpr int64_t kTaskOverhead = 64;
 
-// Runs fn(first_task, last_task) on every thread over a contiguous run of tasks whose summed
-// cost is about 1/nthreads of the total. at::parallel_for alone splits by task count, which
-// leaves one thread with the big tensors when sizes are skewed.
+// Runs fn(first_task, last_task) over runs of consecutive tasks of about equal cost: the list is
+// cut into kRunsPerThread runs per thread, and each thread claims the next run from a shared
+// counter until none is left. A statically split list leaves a thread idle whenever the other is
+// slowed down (a descheduled vCPU, a late wake-up); claiming runs hands the slow thread's share to
+// the fast one (3% faster on the 148-tensor bench shape at B = 8, interleaved A/B). Runs are
+// contiguous, so each thread still streams through memory in order. Which thread runs a task
+// never matters: every task writes its own outputs.
 template <typename F>
 void parallel_over_tasks(const std::vector<int64_t>& cost, const F& fn) {
+  constexpr int64_t kRunsPerThread = 8;
   const int64_t n = static_cast<int64_t>(cost.size());
   if (n == 0) return;
   std::vector<int64_t> prefix(n + 1, 0);
   for (int64_t t = 0; t < n; ++t) prefix[t + 1] = prefix[t] + cost[t];
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const auto bound = [&](int64_t q) {
-        return static_cast<int64_t>(std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * q / parts) -
-                                    prefix.begin());
-      };
-      const int64_t lo = p == 0 ? 0 : bound(p), hi = p == parts - 1 ? n : bound(p + 1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t runs = std::min<int64_t>(n, threads > 1 ? threads * kRunsPerThread : 1);
+  const auto bound = [&](int64_t q) {
+    if (q == runs) return n;
+    return static_cast<int64_t>(std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * q / runs) -
+                                prefix.begin());
+  };
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, runs), 1, [&](int64_t, int64_t) {
+    for (int64_t q = next.fetch_add(1); q < runs; q = next.fetch_add(1)) {
+      const int64_t lo = bound(q), hi = bound(q + 1);
       if (lo < hi) fn(lo, hi);
     }
   });
