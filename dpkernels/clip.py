@@ -370,6 +370,8 @@ def _check_mode(mode: str, r: float | None) -> float:
 
 
 def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
+    if type(max_grad_norm) is float and math.isfinite(max_grad_norm) and max_grad_norm > 0:
+        return [max_grad_norm]  # the common case, without the Sequence/Tensor probes below
     if isinstance(max_grad_norm, Tensor):
         max_grad_norm = max_grad_norm.tolist()
     if not isinstance(max_grad_norm, (int, float, Sequence)) or isinstance(max_grad_norm, (bool, str)):
