@@ -400,15 +400,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cpu(
   const auto opts = at::dtype(at::kFloat);
   auto weights = new_output({lay.B, lay.L}, opts);
   auto norms = per_layer ? new_output({lay.B, lay.L}, opts) : new_output({lay.B}, opts);
-  std::vector<int64_t> bad;
+  std::vector<uint8_t> finite(lay.B);
   for (int64_t i = 0; i < lay.B; ++i) {
-    if (!clip_sample_weights(sumsq.const_data_ptr<double>() + i * lay.L, static_cast<int>(lay.L), per_layer,
-                             m, bounds.data(), r, norm_scale, weights.data_ptr<float>() + i * lay.L,
-                             norms.data_ptr<float>() + i * (per_layer ? lay.L : 1))) {
-      bad.push_back(i);
-    }
+    finite[i] =
+        clip_sample_weights(sumsq.const_data_ptr<double>() + i * lay.L, static_cast<int>(lay.L), per_layer, m,
+                            bounds.data(), r, norm_scale, weights.data_ptr<float>() + i * lay.L,
+                            norms.data_ptr<float>() + i * (per_layer ? lay.L : 1));
   }
-  if (!drop_nonfinite) check_nonfinite(bad);
+  if (!drop_nonfinite) check_nonfinite(finite.data(), lay.B);
   return {sum_pass(grads, coeffs, weights, pipeline_epilogue(spec, noise, lay, grads), lay), norms, weights};
 }
 

@@ -1045,14 +1045,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
         sumsq.const_data_ptr<double>(), lay.B, lay.L, per_layer, m, dev_bounds.const_data_ptr<double>(), r,
         norm_scale, weights.data_ptr<float>(), norms.data_ptr<float>(), ok.data_ptr<uint8_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (!drop_nonfinite) {
-      const at::Tensor host = ok.cpu();
-      std::vector<int64_t> bad;
-      for (int64_t i = 0; i < lay.B; ++i) {
-        if (host.const_data_ptr<uint8_t>()[i] == 0) bad.push_back(i);
-      }
-      check_nonfinite(bad);
-    }
+    if (!drop_nonfinite) check_nonfinite(ok.cpu().const_data_ptr<uint8_t>(), lay.B);
   }
   at::Tensor table;
   const SumEpilogue ep = pipeline_epilogue(spec, !noise.empty(), sumsq.device(), &table);

@@ -103,19 +103,6 @@ inline ClipMode parse_clip_mode(c10::string_view mode) {
   TORCH_CHECK(false, "dpkernels: unknown clip mode '", std::string(mode), "'");
 }
 
-// Per-parameter clip bounds: one value for every tensor, or one per tensor; returns L values.
-inline std::vector<double> clip_bounds(at::ArrayRef<double> max_grad_norm, const at::Tensor& norms) {
-  const int64_t L = norms.dim() == 2 ? norms.size(1) : 1;
-  DPK_CHECK(max_grad_norm.size() == 1 || static_cast<int64_t>(max_grad_norm.size()) == L,
-            "max_grad_norm must hold 1 or ", L, " values, got ", max_grad_norm.size());
-  DPK_CHECK(norms.dim() == 1 || norms.dim() == 2, "norms must be [B] or [B, L], got ", norms.sizes());
-  DPK_CHECK(norms.scalar_type() == at::kFloat || norms.scalar_type() == at::kDouble,
-            "norms must be float32 or float64, got ", norms.scalar_type());
-  DPK_CHECK(norms.is_contiguous(), "norms must be contiguous");
-  if (max_grad_norm.size() == 1) return std::vector<double>(L, max_grad_norm[0]);
-  return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
-}
-
 // The bounds of the fused pipeline: one value (flat clipping), or with per_layer one per tensor
 // (a single value stands for all L).
 inline std::vector<double> pipeline_bounds(at::ArrayRef<double> max_grad_norm, bool per_layer, int64_t L) {
@@ -127,6 +114,15 @@ inline std::vector<double> pipeline_bounds(at::ArrayRef<double> max_grad_norm, b
   }
   if (max_grad_norm.size() == 1) return std::vector<double>(per_layer ? L : 1, max_grad_norm[0]);
   return std::vector<double>(max_grad_norm.begin(), max_grad_norm.end());
+}
+
+// The bounds of clip_factors' [B] or [B, L] norms, as pipeline_bounds gives them.
+inline std::vector<double> clip_bounds(at::ArrayRef<double> max_grad_norm, const at::Tensor& norms) {
+  DPK_CHECK(norms.dim() == 1 || norms.dim() == 2, "norms must be [B] or [B, L], got ", norms.sizes());
+  DPK_CHECK(norms.scalar_type() == at::kFloat || norms.scalar_type() == at::kDouble,
+            "norms must be float32 or float64, got ", norms.scalar_type());
+  DPK_CHECK(norms.is_contiguous(), "norms must be contiguous");
+  return pipeline_bounds(max_grad_norm, norms.dim() == 2, norms.dim() == 2 ? norms.size(1) : 1);
 }
 
 // The noise of a clip_pipeline call (csrc/ops.cpp): none, Philox (key = [seed]) or ChaCha20 (key = 4
@@ -170,9 +166,14 @@ inline void check_noise_list(at::TensorList noise, at::TensorList grads, const C
   }
 }
 
-// Raises the pipeline's ValueError for nonfinite="raise" when samples `bad` (ascending) have a
-// non-finite gradient; the message is the reference's (dpkernels/reference/clip.py check_nonfinite).
-inline void check_nonfinite(const std::vector<int64_t>& bad) {
+// Raises the pipeline's ValueError for nonfinite="raise" when a sample has a non-finite gradient
+// (finite[i] == 0 for sample i of B); the message is the reference's (dpkernels/reference/clip.py
+// check_nonfinite).
+inline void check_nonfinite(const uint8_t* finite, int64_t B) {
+  std::vector<int64_t> bad;
+  for (int64_t i = 0; i < B; ++i) {
+    if (!finite[i]) bad.push_back(i);
+  }
   if (bad.empty()) return;
   std::string shown;
   for (size_t q = 0; q < bad.size() && q < 20; ++q) shown += (q ? ", " : "") + std::to_string(bad[q]);
