@@ -34,6 +34,11 @@ def has_cpu_kernels() -> bool:
     return _EXTENSION is not None
 
 
+def extension():
+    """The module ``dpkernels._C`` (csrc/python.cpp), or None for a pure-Python install."""
+    return _EXTENSION
+
+
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA part (whether or not a GPU is present)."""
     return _HAS_CUDA_KERNELS
@@ -82,6 +87,14 @@ def _why_unavailable(backend: str, dev: str) -> str:
     if not has_triton():
         return "triton is not installed; `pip install triton`"
     return "Triton needs a CUDA device, or TRITON_INTERPRET=1 (set before importing dpkernels) to run on CPU"
+
+
+def runs_native(backend: str, t: torch.Tensor) -> bool:
+    """Whether ``resolve(backend, t.device)`` is the extension's cpu or cuda kernels, answered from
+    the tensor's flags without building a device (~35 µs less than ``resolve`` with cold caches)."""
+    if t.is_cpu:
+        return _EXTENSION is not None and backend in ("auto", "cpu")
+    return _HAS_CUDA_KERNELS and t.is_cuda and backend in ("auto", "cuda")
 
 
 def resolve(backend: str, device: torch.device) -> str:

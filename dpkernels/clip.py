@@ -62,17 +62,29 @@ def _native_kernels():
     )
 
 
+_eager_pipeline = _backend.extension().clip_pipeline if _backend.has_cpu_kernels() else None
+
+
 def _native_pipeline(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale=1.0,
                      rng="none", noise_std=0.0, key=(), step=0, stream=0, out_scale=1.0, noise=()):  # fmt: skip
     """``(sums, norms, weights)`` from one C++/CUDA op (``dpkernels_C::clip_pipeline``): the three
     stages and the private epilogue in one call, the composition that
     :func:`dpkernels.reference.clip.clip_weights` and ``privatized_sum`` spell out. ``grads`` is
-    flat (set-major); ``C`` one bound, or one per tensor with ``per_layer``."""
-    sums, norms, weights = torch.ops.dpkernels_C.clip_pipeline(
+    flat (set-major); ``C`` one bound, or one per tensor with ``per_layer``.
+
+    Eager calls take the extension's own entry to the same op (csrc/python.cpp: ~0.06 ms less on a
+    list of 148 tensors), which answers ``None`` for anything but plain tensors; torch.compile
+    traces torch.ops."""
+    args = (
         grads, list(coeffs), list(C), mode, float(r), list(shift), list(scale), bool(per_layer),
         nonfinite == "drop", float(norm_scale), rng, float(noise_std), list(key), step, stream,
         float(out_scale), list(noise),
     )  # fmt: skip
+    if _eager_pipeline is not None and type(grads) is list and not torch.compiler.is_compiling():
+        out = _eager_pipeline(*args)
+        if out is not None:
+            return out
+    sums, norms, weights = torch.ops.dpkernels_C.clip_pipeline(*args)
     return list(sums), norms, weights
 
 
@@ -600,16 +612,19 @@ def _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite
     non-contiguous tensors and proceeds. The op's own ``ValueError`` (a non-finite sample under
     ``nonfinite="raise"``) propagates.
     """
-    if torch.compiler.is_compiling() or not isinstance(grad_samples, list) or not grad_samples:
+    if torch.compiler.is_compiling() or _eager_pipeline is None or type(grad_samples) is not list:
         return None
-    first = grad_samples[0]
-    if not isinstance(first, Tensor) or nonfinite not in ("raise", "drop"):
+    if not grad_samples or type(grad_samples[0]) is not Tensor or nonfinite not in ("raise", "drop"):
         return None
-    if _backend.resolve(backend, first.device) not in ("cpu", "cuda"):
+    if not _backend.runs_native(backend, grad_samples[0]):
         return None
     r = _check_mode(mode, r)
     C = _check_max_grad_norm(max_grad_norm, per_layer, len(grad_samples))
     try:
-        return _native_pipeline(grad_samples, [1.0], C, mode, r, [], [], per_layer, nonfinite)[:2]
+        out = _eager_pipeline(
+            grad_samples, [1.0], C, mode, r, [], [], bool(per_layer), nonfinite == "drop", 1.0, "none", 0.0, [], 0,
+            0, 1.0, [],
+        )  # fmt: skip
     except (RuntimeError, TypeError):
         return None
+    return None if out is None else out[:2]

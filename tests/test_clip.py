@@ -315,6 +315,114 @@ def test_native_pipeline_equals_its_stages(backend_device, opts):
         torch.testing.assert_close(a, b, rtol=2**-22, atol=1e-7)
 
 
+def _pipeline_args(grads, **overrides):
+    """The positional arguments of dpkernels_C::clip_pipeline (csrc/ops.cpp), plain clipping at C=0.8."""
+    args = {"coeffs": [1.0], "C": [0.8], "mode": "clip", "r": 0.0, "shift": [], "scale": [], "per_layer": False,
+            "drop_nonfinite": False, "norm_scale": 1.0, "rng": "none", "noise_std": 0.0, "key": [], "step": 0,
+            "stream": 0, "out_scale": 1.0, "noise": []}  # fmt: skip
+    args.update(overrides)
+    return (grads, *args.values())
+
+
+def _native_only(backend):
+    if backend not in ("cpu", "cuda"):
+        pytest.skip("the eager entry of the native op: cpu and cuda backends only")
+
+
+@pytest.mark.parametrize("epilogue", [{}, {"rng": "philox", "noise_std": 0.5, "key": [123], "step": 3},
+                                      {"per_layer": True, "mode": "psac", "r": 0.1, "out_scale": 0.25}])  # fmt: skip
+def test_eager_entry_is_the_registered_op(backend_device, epilogue):
+    """dpkernels._C.clip_pipeline (csrc/python.cpp) calls the same registered op as torch.ops, so
+    both give bitwise the same sums, norms and weights."""
+    backend, device = backend_device
+    _native_only(backend)
+    g = make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device)
+    g[1][2] *= 1e4
+    eager = dpkernels._backend.extension().clip_pipeline(*_pipeline_args(g, **epilogue))
+    boxed = torch.ops.dpkernels_C.clip_pipeline(*_pipeline_args(g, **epilogue))
+    assert type(eager) is tuple and type(eager[0]) is list and len(eager[0]) == len(g)
+    for a, b in zip([*eager[0], *eager[1:]], [*boxed[0], *boxed[1:]], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_eager_entry_raises_as_the_op(backend_device):
+    backend, device = backend_device
+    _native_only(backend)
+    g = make_grads(SHAPE_LISTS["mixed"], 5, torch.float32, device)
+    g[0][3, 0] = float("nan")
+    for call in (dpkernels._backend.extension().clip_pipeline, torch.ops.dpkernels_C.clip_pipeline):
+        with pytest.raises(
+            ValueError, match=r"non-finite per-sample gradient for 1 sample\(s\) at batch indices \[3\]"
+        ):
+            call(*_pipeline_args(g))
+        with pytest.raises(RuntimeError, match=r"grads\[1\] must be \[B=5"):
+            call(*_pipeline_args([g[0], g[1][:4]]))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with the default __torch_function__: the eager entry must not bypass it."""
+
+
+class _CountCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_entry_declines_torch_function(backend_device):
+    """For a tensor subclass, or under a torch-function mode, the eager entry answers None and
+    clip_and_accumulate goes through torch.ops, where __torch_function__ sees the op."""
+    backend, device = backend_device
+    _native_only(backend)
+    g = make_grads(SHAPE_LISTS["mixed"], 4, torch.float32, device)
+    want_sums, want_norms = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
+    entry = dpkernels._backend.extension().clip_pipeline
+    tagged = g[:-1] + [g[-1].as_subclass(_Tagged)]
+    assert entry(*_pipeline_args(tagged)) is None
+    sums, norms = dpkernels.clip_and_accumulate(tagged, 0.8, backend=backend)
+    assert torch.equal(norms, want_norms) and all(torch.equal(a, b) for a, b in zip(sums, want_sums, strict=True))
+    mode = _CountCalls()
+    with mode:
+        assert entry(*_pipeline_args(g)) is None
+        sums, norms = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
+    assert (
+        torch.ops.dpkernels_C.clip_pipeline.default in mode.calls or torch.ops.dpkernels_C.clip_pipeline in mode.calls
+    )
+    assert torch.equal(norms, want_norms) and all(torch.equal(a, b) for a, b in zip(sums, want_sums, strict=True))
+
+
+def test_eager_entry_goes_through_the_dispatcher(backend_device):
+    """The eager entry skips only torch.ops' boxing: a torch-dispatch mode and the profiler still
+    see dpkernels_C::clip_pipeline."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    backend, device = backend_device
+    _native_only(backend)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    g = make_grads(SHAPE_LISTS["mixed"], 4, torch.float32, device)
+    want = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
+    with Record() as rec:
+        got = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
+    assert torch.ops.dpkernels_C.clip_pipeline.default in rec.ops
+    assert torch.equal(got[1], want[1])
+    with torch.profiler.profile() as prof:
+        dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
+    assert "dpkernels_C::clip_pipeline" in {e.name for e in prof.events()}
+
+
 def test_cpu_result_independent_of_thread_count():
     if "cpu" not in dpkernels.available_backends("cpu"):
         pytest.skip("cpu backend not built")
