@@ -7,6 +7,7 @@ of ``m = B·k`` weighted terms accumulated in fp32 is bounded by ``(m + 4)·2⁻
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -282,6 +283,34 @@ def test_sums_are_independent_tensors(backend_device):
     last = sums[-1]
     del sums
     assert torch.equal(last, before[-1])  # still valid once its siblings are gone
+
+
+def test_cpu_streaming_stores_match_plain_stores():
+    """A cpu sum pass that streams more than the private caches hold writes its sums with
+    non-temporal stores (stream_cpu.h OutputStore), a smaller one with plain stores. With
+    per-layer clipping each tensor's sum depends on that tensor alone, so one large call must give
+    bitwise what one small call per tensor gives; the large call's privatize (whose noise epilogue
+    ends in the same stores) must match the reference's, Philox stream included."""
+    if "cpu" not in dpkernels.available_backends("cpu"):
+        pytest.skip("cpu backend not built")
+    B = 8
+    l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else 0
+    threshold = (l2 if l2 > 0 else 1 << 20) * torch.get_num_threads()
+    # Odd sizes (vector tails), tensors below one task, and enough bytes to cross the threshold.
+    shapes = [(3, 5), (4097,), (7,)] + [(1001, 33)] * (2 * threshold // (B * 4 * 1001 * 33) + 1)
+    if B * 4 * sum(math.prod(s) for s in shapes) > 1 << 28:
+        pytest.skip("the private caches here are too large for a quick test")
+    g = make_grads(shapes, B, torch.float32, scales=torch.linspace(0.1, 3.0, B).tolist())
+    C = [float(math.sqrt(math.prod(s))) for s in shapes]
+    big, _ = dpkernels.clip_and_accumulate(g, C, per_layer=True, backend="cpu")
+    for t in range(len(shapes)):
+        small, _ = dpkernels.clip_and_accumulate([g[t]], [C[t]], per_layer=True, backend="cpu")
+        assert torch.equal(big[t], small[0]), t
+    noisy = {
+        b: dpkernels.privatize(g, C, 0.5, per_layer=True, seed=11, step=2, backend=b) for b in ("cpu", "reference")
+    }
+    for a, b in zip(noisy["cpu"], noisy["reference"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("opts", [{}, {"per_layer": True, "mode": "psac"}, {"coeffs": [0.7, 0.3], "shift": True}])

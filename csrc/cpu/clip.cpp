@@ -231,27 +231,27 @@ struct SumEpilogue {
   ChachaKey chacha_key{};
   std::vector<int64_t> offset;      // global element index of each parameter's first element
   std::vector<const float*> noise;  // pre-drawn noise per parameter, or empty
+  cpu::OutputStore store{0};        // set by sum_pass from the bytes it streams
 
   void finish(int64_t l, int64_t begin, int64_t n, float* acc, float* out) const {
     if (philox) {
       alignas(64) float z[kSumChunk];
       cpu::normals(offset[l] + begin, n, key, z);
-      for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + std * z[e]) * scale;
+      for (int64_t e = 0; e < n; ++e) acc[e] = (acc[e] + std * z[e]) * scale;
     } else if (chacha) {
       alignas(64) double z[kSumChunk];
       cpu::chacha_normals(offset[l] + begin, n, chacha_key, z);
       for (int64_t e = 0; e < n; ++e) {
         const double nu = std64 * z[e];
-        out[begin + e] = round_once<float>(static_cast<double>(acc[e]) + nu) * scale;
+        acc[e] = round_once<float>(static_cast<double>(acc[e]) + nu) * scale;
       }
     } else if (!noise.empty()) {
       const float* z = noise[l] + begin;
-      for (int64_t e = 0; e < n; ++e) out[begin + e] = (acc[e] + z[e]) * scale;
+      for (int64_t e = 0; e < n; ++e) acc[e] = (acc[e] + z[e]) * scale;
     } else if (scale != 1.f) {
-      for (int64_t e = 0; e < n; ++e) out[begin + e] = acc[e] * scale;
-    } else {
-      std::copy(acc, acc + n, out + begin);
+      for (int64_t e = 0; e < n; ++e) acc[e] = acc[e] * scale;
     }
+    store(acc, n, out + begin);
   }
 };
 
@@ -327,16 +327,18 @@ std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coef
   std::vector<at::IntArrayRef> shapes;
   std::vector<SumTask> tasks;
   std::vector<int64_t> cost;
-  int64_t offset = 0;
+  int64_t offset = 0, streamed = 0;
   for (int64_t l = 0; l < lay.L; ++l) {
     shapes.push_back(grads[l].sizes().slice(1));
     ep.offset.push_back(offset);
     offset += lay.numel[l];
+    streamed += lay.numel[l] * lay.B * lay.k * static_cast<int64_t>(grads[l].element_size());
     for (int64_t b = 0; b < lay.numel[l]; b += kSumChunk) {
       tasks.push_back({l, b, std::min(b + kSumChunk, lay.numel[l])});
       cost.push_back((tasks.back().end - b) * lay.B * lay.k + 64);
     }
   }
+  ep.store = cpu::OutputStore(streamed);
   std::vector<at::Tensor> out = new_outputs(shapes, at::dtype(at::kFloat));
   const float* w = weights.const_data_ptr<float>();
   cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
@@ -350,6 +352,7 @@ std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coef
                                      out[task.l].data_ptr<float>(), task.l, task.begin, task.end, ep);
       });
     }
+    ep.store.fence();
   });
   return out;
 }

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -157,6 +158,47 @@ inline void filter_chunk(const FilterCoeffs& fc, const float* x, float* y, int64
     filter_step(fc, Vec::loadu(x + i, w), load, store).store(y + i, w);
   }
 }
+
+// How a pass writes an output it does not read back. A pass that streams more bytes than the
+// threads' private caches hold cannot leave its output there for the next op: it is evicted by
+// the pass's own input. Then plain stores only add a read for ownership of every output line, and
+// non-temporal stores skip it. On the 148-tensor bench shape at B = 8 the clipped sums are 1/8 of
+// the gradients' bytes and those reads cost 4-5% of clip_and_accumulate (measured interleaved in
+// one process: 4.63 vs 4.83 ms and 4.77 vs 5.04 ms). Smaller passes keep plain stores, so that
+// their output stays in cache for whatever reads it next.
+class OutputStore {
+ public:
+  explicit OutputStore(int64_t streamed_bytes) {
+    static const int64_t l2 = [] {
+      const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+      return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+    }();
+    streaming_ = streamed_bytes > l2 * at::get_num_threads();
+  }
+
+  // dst[0:n) = src[0:n).
+  void operator()(const float* src, int64_t n, float* dst) const {
+    int64_t e = 0;
+#if defined(__AVX__)
+    if (streaming_) {
+      for (; e < n && reinterpret_cast<uintptr_t>(dst + e) % 32 != 0; ++e) dst[e] = src[e];
+      for (; e + 8 <= n; e += 8) _mm256_stream_ps(dst + e, _mm256_loadu_ps(src + e));
+    }
+#endif
+    std::copy(src + e, src + n, dst + e);
+  }
+
+  // Called by each thread after its last store of the pass: non-temporal stores are weakly
+  // ordered, and the pass's results must be visible once the parallel region ends.
+  void fence() const {
+#if defined(__AVX__)
+    if (streaming_) _mm_sfence();
+#endif
+  }
+
+ private:
+  bool streaming_ = false;
+};
 
 // Adds the fp32 lanes of v to fp64 accumulators (Vec::size() / DVec::size() of them).
 inline void widen_add(const Vec& v, DVec* d) {
