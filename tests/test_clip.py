@@ -392,14 +392,17 @@ class _Tagged(torch.Tensor):
     """A tensor subclass with the default __torch_function__: the eager entry must not bypass it."""
 
 
-class _CountCalls(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
+def _recording_mode(base, hook):
+    """An instance of a torch-function or torch-dispatch mode (``base``, whose ``hook`` method sees
+    every op) that records the ops in ``.calls`` and runs them."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def record(self, func, types, args=(), kwargs=None):
         self.calls.append(func)
         return func(*args, **(kwargs or {}))
+
+    mode = type("Recording", (base,), {hook: record})()
+    mode.calls = []
+    return mode
 
 
 def test_eager_entry_declines_torch_function(backend_device):
@@ -414,7 +417,7 @@ def test_eager_entry_declines_torch_function(backend_device):
     assert entry(*_pipeline_args(tagged)) is None
     sums, norms = dpkernels.clip_and_accumulate(tagged, 0.8, backend=backend)
     assert torch.equal(norms, want_norms) and all(torch.equal(a, b) for a, b in zip(sums, want_sums, strict=True))
-    mode = _CountCalls()
+    mode = _recording_mode(torch.overrides.TorchFunctionMode, "__torch_function__")
     with mode:
         assert entry(*_pipeline_args(g)) is None
         sums, norms = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
@@ -432,20 +435,11 @@ def test_eager_entry_goes_through_the_dispatcher(backend_device):
     backend, device = backend_device
     _native_only(backend)
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     g = make_grads(SHAPE_LISTS["mixed"], 4, torch.float32, device)
     want = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
-    with Record() as rec:
+    with _recording_mode(TorchDispatchMode, "__torch_dispatch__") as rec:
         got = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
-    assert torch.ops.dpkernels_C.clip_pipeline.default in rec.ops
+    assert torch.ops.dpkernels_C.clip_pipeline.default in rec.calls
     assert torch.equal(got[1], want[1])
     with torch.profiler.profile() as prof:
         dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
