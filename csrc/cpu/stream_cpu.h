@@ -18,6 +18,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <unistd.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -170,8 +173,11 @@ class OutputStore {
  public:
   explicit OutputStore(int64_t streamed_bytes) {
     static const int64_t l2 = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
       const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
-      return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+      if (v > 0) return static_cast<int64_t>(v);
+#endif
+      return int64_t{1} << 20;  // not reported: a common per-core L2 size
     }();
     streaming_ = streamed_bytes > l2 * at::get_num_threads();
   }
