@@ -60,6 +60,17 @@ def _filter_coeffs(co: dict) -> list[float]:
     return [co["a"], co["g"], *co["c"], *co["d"], *co["e"], *co["f"]]
 
 
+def _first_device(groups: list) -> torch.device:
+    """The device of the first parameter of ``params`` as the constructor receives it (tensors, or
+    param-group dicts, some possibly empty); CPU when there is none (the constructor then raises)."""
+    for g in groups:
+        ps = g["params"] if isinstance(g, dict) else g
+        ps = [ps] if isinstance(ps, Tensor) else list(ps)
+        if ps and isinstance(ps[0], Tensor):
+            return ps[0].device
+    return torch.device("cpu")
+
+
 def _step_op(family: str, backend: str):
     if backend == "triton":
         from triton_kernels import optim as triton_optim
@@ -83,23 +94,28 @@ class _Fused:
         self.secure_key = (fresh_key() if secure_key is None else secure_key) if rng == "chacha20" else None
         # Resolved before the base constructor creates the state: its layout depends on it.
         groups = list(args[0])
-        first = groups[0]["params"] if groups and isinstance(groups[0], dict) else groups[0] if groups else None
-        first = first if isinstance(first, Tensor) or first is None else next(iter(first))
-        self.backend = _backend.resolve(backend, first.device if isinstance(first, Tensor) else torch.device("cpu"))
+        self.backend = _backend.resolve(backend, _first_device(groups))
         super().__init__(groups, *args[1:], **kwargs)
-        params = self._params()
         self.rng = rng
         if rng != "philox" and self.correlated_noise is not None:
             raise ValueError("correlated_noise draws Philox noise; rng='chacha20' cannot be combined with it")
-        if self.backend != "reference":
-            for idx, p in enumerate(params):
-                if p.dtype not in _NATIVE_DTYPES:
-                    raise TypeError(
-                        f"parameter {idx} has dtype {p.dtype}; backend {self.backend!r} updates float32, float16 "
-                        "and bfloat16 parameters (float64 runs on backend='reference')"
-                    )
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter {idx} (shape {tuple(p.shape)}) must be contiguous for a fused step")
+
+    def _check_params(self, params):
+        super()._check_params(params)
+        if self.backend == "reference":
+            return
+        for idx, p in enumerate(params):
+            if p.dtype not in _NATIVE_DTYPES:
+                raise TypeError(
+                    f"parameter {idx} has dtype {p.dtype}; backend {self.backend!r} updates float32, float16 "
+                    "and bfloat16 parameters (float64 runs on backend='reference')"
+                )
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {idx} (shape {tuple(p.shape)}) must be contiguous for a fused step")
+
+    def _state_layout(self):
+        # The fused backends share one layout (rings, reciprocals kept for the next clip pass).
+        return "reference" if self.backend == "reference" else "fused"
 
     # ----------------------------------------------------------------------------------------
     # Dispatch
@@ -114,7 +130,7 @@ class _Fused:
 
     def _update(self, params, grad_sets, t, noise):
         if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
-            noise = self._secure_noise(params, t)
+            noise = self._secure_noise(params, t, self._noise_clip())
         if self.backend == "reference":
             return super()._update(params, grad_sets, t, noise)
         self._fused_update(params, grad_sets, t, noise)
@@ -122,22 +138,23 @@ class _Fused:
     def _fused_update(self, params, grad_sets, t, noise) -> None:
         raise NotImplementedError
 
-    def _update_from_sums(self, params, sums, t, noise):
+    def _update_from_sums(self, params, sums, t, noise, delta):
         if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
-            noise = self._secure_noise(params, t)
+            noise = self._secure_noise(params, t, delta)
         if self.backend == "reference":
-            return super()._update_from_sums(params, sums, t, noise)
-        self._fused_from_sums(params, [s.contiguous() for s in sums], t, noise)
+            return super()._update_from_sums(params, sums, t, noise, delta)
+        self._fused_from_sums(params, [s.contiguous() for s in sums], t, noise, delta)
 
-    def _fused_from_sums(self, params, sums, t, noise) -> None:
-        """The fused pass from fp32 clipped sums (the optimizers whose ``_accepts_sums`` is set)."""
+    def _fused_from_sums(self, params, sums, t, noise, delta) -> None:
+        """The fused pass from fp32 clipped sums of sensitivity ``delta`` (the optimizers whose
+        ``_accepts_sums`` is set)."""
         raise NotImplementedError
 
-    def _secure_noise(self, params, t) -> list[Tensor]:
-        """``σ·C·z`` from the secure generator, pre-drawn (the unit noise; each family scales it)."""
+    def _secure_noise(self, params, t, delta) -> list[Tensor]:
+        """``σ·Δ·z`` from the secure generator, pre-drawn (the unit noise; each family scales it)."""
         total = sum(p.numel() for p in params)
         z = gaussian_noise(total, std=1.0, seed=self.secure_key, step=t, rng=self.rng, device=params[0].device)
-        std = self.noise_multiplier * self._noise_clip()
+        std = self.noise_multiplier * delta
         parts = torch.split(z, [p.numel() for p in params])
         return [std * part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
@@ -195,6 +212,8 @@ class _Fused:
         out = []
         for group, sl, offset in self._groups(params):
             ps = params[sl]
+            if not ps:  # an empty param group (torch allows them): nothing to launch
+                continue
             st = state(group, sl) if state else [self.state[p][key] for key in self._STATE_KEYS for p in ps]
             given = [] if noise is None else [nu.float().contiguous() for nu in noise[sl]]
             noise_state = [b for buf in bufs for b in buf[sl]]
@@ -224,13 +243,13 @@ class DPSGD(_Fused, ref.DPSGD):
 
     def _fused_update(self, params, grad_sets, t, noise):
         sums, _ = self._clip_sums(grad_sets, self.max_grad_norm)
-        self._fused_from_sums(params, sums, t, noise)
+        self._fused_from_sums(params, sums, t, noise, self.max_grad_norm)
 
-    def _fused_from_sums(self, params, sums, t, noise):
-        C, inv_b = self.max_grad_norm, 1.0 / self.expected_batch_size
+    def _fused_from_sums(self, params, sums, t, noise, delta):
+        inv_b = 1.0 / self.expected_batch_size
         # Heavy-ball buf ← μ·buf + d is linear_filter_'s y = 1·d + μ·S, S ← y.
         self._run(
-            "sgd", params, sums, lambda g: (inv_b, g["lr"], g["weight_decay"]), noise, self.noise_multiplier * C, t,
+            "sgd", params, sums, lambda g: (inv_b, g["lr"], g["weight_decay"]), noise, self.noise_multiplier * delta, t,
             state=lambda g, sl: [self.state[p]["momentum_buffer"] for p in params[sl]] if g["momentum"] else [],
             extra=lambda g, sl: ([1.0, 1.0, g["momentum"], 0.0, 1.0, 0.0] if g["momentum"] else _INDEPENDENT, []),
         )  # fmt: skip
@@ -325,17 +344,8 @@ class DP2(_Fused, ref.DP2):
         st["inv_d"] = 1 / (st["v"].sqrt() + self._group_of(p)["eps"])
         return st
 
-    def _refresh(self, params, groups):
-        super()._refresh(params, groups)
-        if self.backend == "reference":
-            return
-        for p, group in zip(params, groups, strict=True):
-            self.state[p]["inv_d"] = 1 / (self.state[p]["v"].sqrt() + group["eps"])
-
     def _fused_update(self, params, grad_sets, t, noise):
         pos = (t - 1) % (self.s1 + self.s2)
-        if pos == self.s1:
-            self._refresh(params, self._groups_of())
         inv_b = 1.0 / self.expected_batch_size
         if pos < self.s1:
             C = self.max_grad_norm
@@ -343,7 +353,17 @@ class DP2(_Fused, ref.DP2):
             hyper = lambda g: (inv_b, g["lr"], 0)  # noqa: E731
         else:
             C = self.max_grad_norm2
-            sums, _ = self._clip_sums(grad_sets, C, scale=[self.state[p]["inv_d"] for p in params])
+            groups = self._groups_of()
+            if pos == self.s1:  # the refresh, stored only once the clipped sum is formed (all or nothing)
+                v = self._refreshed_v(params, groups)
+                inv_d = [1 / (vv.sqrt() + group["eps"]) for vv, group in zip(v, groups, strict=True)]
+            else:
+                inv_d = [self.state[p]["inv_d"] for p in params]
+            sums, _ = self._clip_sums(grad_sets, C, scale=inv_d)
+            if pos == self.s1:
+                self._commit_refresh(params, v)
+                for p, d in zip(params, inv_d, strict=True):
+                    self.state[p]["inv_d"] = d
             hyper = lambda g: (inv_b, g["lr2"], 1)  # noqa: E731
         self._run("dp2", params, sums, hyper, noise, self.noise_multiplier * C, t)
 
@@ -364,22 +384,23 @@ class _FusedAdam(_Fused):
     def _clip_scale(self, params):
         return None
 
-    def _hyper(self, group, t) -> tuple:
+    def _hyper(self, group, t, delta) -> tuple:
         b1, b2 = group["betas"]
         return (
             1.0 / self.expected_batch_size, group["lr"], b1, 1 - b1, b2, 1 - b2, _bias(b1, t), _bias(b2, t),
             _bias(b2, t - 1), group.get("eps", group.get("eps2", 0.0)),
             1 - group["lr"] * group["weight_decay"] if group["weight_decay"] else 1.0,
-            getattr(self, "phi", 0.0), group.get("gamma_prime", 0.0), group.get("eps1", 0.0), self._VARIANT,
+            self._phi(delta) if self._VARIANT == 1 else 0.0, group.get("gamma_prime", 0.0), group.get("eps1", 0.0),
+            self._VARIANT,
         )  # fmt: skip
 
     def _fused_update(self, params, grad_sets, t, noise):
         sums, _ = self._clip_sums(grad_sets, self.max_grad_norm, scale=self._clip_scale(params))
-        self._fused_from_sums(params, sums, t, noise)
+        self._fused_from_sums(params, sums, t, noise, self.max_grad_norm)
 
-    def _fused_from_sums(self, params, sums, t, noise):
-        std = self.noise_multiplier * self.max_grad_norm
-        self._run("adam", params, sums, lambda g: self._hyper(g, t), noise, std, t)
+    def _fused_from_sums(self, params, sums, t, noise, delta):
+        std = self.noise_multiplier * delta
+        self._run("adam", params, sums, lambda g: self._hyper(g, t, delta), noise, std, t)
 
 
 class DPAdam(_FusedAdam, ref.DPAdam):

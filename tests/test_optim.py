@@ -361,8 +361,8 @@ def test_step_from_sums_equals_step(backend_device, config):
         sums, _ = dpkernels.clip_and_accumulate(
             sets[0], 1.0, mode=mode, r=None if mode == "clip" else opt.r, backend=backend
         )
-        opt_sums.step_from_sums(sums)
-        opt_ref.step_from_sums([s.cpu().to(device) for s in sums])
+        opt_sums.step_from_sums(sums, sensitivity=1.0)
+        opt_ref.step_from_sums([s.cpu().to(device) for s in sums], sensitivity=1.0)
         for a, b, c in zip(p_sums, p_step, p_ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(a, c, rtol=2e-4, atol=2e-5)
@@ -370,7 +370,7 @@ def test_step_from_sums_equals_step(backend_device, config):
     # the step parameters are attributes: a new σ·C and B take effect at the next call
     opt_sums.set_step_params(0.0, 2.0, 3)
     before = [p.clone() for p in p_sums]
-    opt_sums.step_from_sums([torch.zeros_like(p) for p in p_sums])
+    opt_sums.step_from_sums([torch.zeros_like(p) for p in p_sums], sensitivity=2.0)
     assert all(not torch.equal(a, b) for a, b in zip(p_sums, before, strict=True))  # momentum/Adam state moves
 
 
@@ -378,15 +378,22 @@ def test_step_from_sums_rejects():
     params = _params(torch.float32, "cpu")
     opt = fused.DPSGD(params, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, backend="cpu")
     with pytest.raises(ValueError, match="list of 4 tensors"):
-        opt.step_from_sums([torch.zeros(3, 5)])
+        opt.step_from_sums([torch.zeros(3, 5)], sensitivity=1.0)
     with pytest.raises(TypeError, match="float32"):
-        opt.step_from_sums([torch.zeros_like(p, dtype=torch.float64) for p in params])
+        opt.step_from_sums([torch.zeros_like(p, dtype=torch.float64) for p in params], sensitivity=1.0)
     with pytest.raises(ValueError, match="expected"):
-        opt.step_from_sums([torch.zeros(2) for _ in params])
+        opt.step_from_sums([torch.zeros(2) for _ in params], sensitivity=1.0)
+    with pytest.raises(TypeError, match="sensitivity"):  # the noise scale is never guessed
+        opt.step_from_sums([torch.zeros_like(p) for p in params])
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="sensitivity"):
+            opt.step_from_sums([torch.zeros_like(p) for p in params], sensitivity=bad)
+    with pytest.raises(ValueError, match="overflows float32"):
+        opt.step_from_sums([torch.zeros_like(p) for p in params], sensitivity=1e39)
     with pytest.raises(ValueError, match="expected_batch_size"):
         opt.set_step_params(1.0, 1.0, 0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         opt.set_step_params(1.0, 0.0, 4)
     stp = fused.DPAdamSTP(params, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B)
     with pytest.raises(NotImplementedError, match="no step_from_sums"):
-        stp.step_from_sums([torch.zeros_like(p) for p in params])
+        stp.step_from_sums([torch.zeros_like(p) for p in params], sensitivity=1.0)

@@ -229,9 +229,8 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
             _check_processed_flag(gs)
         acc = self.accumulated_iterations
         engine = self.engine
-        engine.noise_multiplier = float(self.noise_multiplier)
-        engine.max_grad_norm = float(self.max_grad_norm)
-        engine.expected_batch_size = int(self.expected_batch_size) * acc
+        # The engine's own checks (a NaN σ or a zero C would reach the accountant otherwise).
+        engine.set_step_params(self.noise_multiplier, self.max_grad_norm, self.expected_batch_size * acc)
         try:
             if is_pmlf:
                 if acc != 1:

@@ -108,6 +108,8 @@ class _Accelerated:
         self._dpk_group_idx = [i for i, g in enumerate(inner.param_groups) if any(p.requires_grad for p in g["params"])]
         self._dpk_params = list(params)
         kind = dpk_optim.DPSGD if isinstance(inner, torch.optim.SGD) else dpk_optim.DPAdam
+        # A seeded key repeats its noise if its counter restarts (load_state_dict refuses that).
+        self._dpk_seeded = seed is not None or (self.generator is not None and not self.secure_mode)
         if self.secure_mode:
             key = {"rng": "chacha20", "secure_key": seed}
         else:
@@ -184,16 +186,23 @@ class _Accelerated:
         acc = self.accumulated_iterations
         per_layer = self._dpk_clip == "per_layer"
         C = list(self.max_grad_norms) if per_layer else float(self.max_grad_norm)
+        # Every micro-batch is clipped before anything is added to p.summed_grad: one that raises (a
+        # NaN sample) leaves the accumulator as it was, so a retry cannot count the others twice.
+        total, samples, unclipped = None, 0, 0
         for j in range(acc):
             # Per-sample norms never cross samples: clipping each micro-batch and adding is exact.
             gs = [p.grad_sample[j] if isinstance(p.grad_sample, list) else p.grad_sample for p in params]
             sums, norms = clip_and_accumulate(gs, C, per_layer=per_layer, backend=backend)
             if self._dpk_clip == "adaptive":  # adaclipoptimizer.py's counts, from our norms
                 f = (C / (norms + 1e-6)).clamp(max=1.0)
-                self.sample_size += len(f)
-                self.unclipped_num += len(f) - (f < 1).sum()
-            for p, s in zip(params, sums, strict=True):
-                p.summed_grad = s if p.summed_grad is None else p.summed_grad.add_(s)
+                samples += len(f)
+                unclipped = unclipped + (len(f) - (f < 1).sum())
+            total = sums if total is None else [a.add_(s) for a, s in zip(total, sums, strict=True)]
+        if self._dpk_clip == "adaptive":
+            self.sample_size += samples
+            self.unclipped_num += unclipped
+        for p, s in zip(params, total, strict=True):
+            p.summed_grad = s if p.summed_grad is None else p.summed_grad.add_(s)
         for p in params:
             _mark_as_processed(p.grad_sample)
 
@@ -231,6 +240,11 @@ class _Accelerated:
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        eng = self._dpk_engine
+        inner = self.original_optimizer
+        # σ, Δ, B and the torch hyper-parameters are checked before anything is accumulated.
+        sigma, delta, B = eng.check_step_params(*self._dpk_sigma_delta(), self._dpk_batch())
+        hypers = [param_group_hypers(inner, inner.param_groups[i], i) for i in self._dpk_group_idx]
         if not self.pre_step():
             return None
         params = self._dpk_params
@@ -239,16 +253,14 @@ class _Accelerated:
         if self._dpk_clip == "adaptive" and self.sample_size == 0:
             # update_max_grad_norm divides by the sample count: a NaN clip norm from then on
             raise ValueError("AdaClip cannot update its clip norm from an empty batch (0 samples since zero_grad)")
-        sigma, delta = self._dpk_sigma_delta()
-        eng = self._dpk_engine
-        inner = self.original_optimizer
-        for eg, i in zip(eng.param_groups, self._dpk_group_idx, strict=True):
-            eg.update(param_group_hypers(inner, inner.param_groups[i], i))
+        for eg, h in zip(eng.param_groups, hypers, strict=True):
+            eg.update(h)
         sums = [p.summed_grad for p in params]
         if self._dpk_ddp:
             sums, sigma, noise = self._dpk_allreduce(sums, sigma * delta, noise)
-        eng.set_step_params(sigma, delta, self._dpk_batch())
-        eng.step_from_sums(sums, noise=noise)
+        eng.set_step_params(sigma, delta, B)
+        # Δ is Opacus's max_grad_norm: C flat, ‖(C_1..C_L)‖ per layer (its noise scale).
+        eng.step_from_sums(sums, sensitivity=delta, noise=noise)
         for p in params:
             _mark_as_processed(p.summed_grad)
             p.grad = None  # the autograd p.grad is not private; the private gradient is never formed
@@ -294,9 +306,16 @@ class _Accelerated:
     def load_state_dict(self, state_dict: dict) -> None:
         """Our ``state_dict()``, or a plain torch/Opacus one (its state is imported as by accelerate())."""
         if isinstance(state_dict, dict) and state_dict.get("dpkernels_accelerated") == 1:
+            self._dpk_engine.load_state_dict(state_dict["engine"])  # checks everything before it loads
             self.original_optimizer.load_state_dict(state_dict["original"])
-            self._dpk_engine.load_state_dict(state_dict["engine"])
         elif isinstance(state_dict, dict) and {"state", "param_groups"} <= state_dict.keys():
+            if isinstance(self.original_optimizer, torch.optim.SGD) and self._dpk_seeded:
+                raise ValueError(
+                    "a torch SGD state_dict does not record how many steps were taken, so the noise counter "
+                    "of this seeded generator cannot be restored and the noise of steps 1, 2, ... would repeat; "
+                    "save and load the accelerated optimizer's own state_dict(), or accelerate() with no seed "
+                    "and no generator (a fresh key)"
+                )
             self.original_optimizer.load_state_dict(state_dict)
             self._dpk_import_state()
         else:

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .. import _validate
 from ..clip import _check_mode
 from ..noise import _check_counter, fresh_seed
 from . import clip as ref_clip
@@ -68,20 +69,7 @@ def _state_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def _check_number(name: str, value, *, low: float | None = None, high: float | None = None, low_open=False,
-                  high_open=False) -> float:  # fmt: skip
-    """A finite real in [low, high] (``low_open``/``high_open`` exclude the end), else ValueError."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        lo = "-inf" if low is None else f"{low}"
-        hi = "inf" if high is None else f"{high}"
-        rng = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
-        raise ValueError(f"{name} must be a finite number in {rng}, got {value!r}")
-    return float(value)
+_check_number = _validate.real
 
 
 def _check_betas(betas) -> tuple[float, float]:
@@ -95,6 +83,12 @@ class DPOptimizer(torch.optim.Optimizer):
     """Base class: validation, per-sample gradient intake, clipping, noise, state (de)serialisation.
 
     Subclasses implement :meth:`_update`, called once per ``step()`` with the 1-based step ``t``.
+
+    A step is all or nothing: every parameter, per-sample gradient, noise tensor and counter is
+    checked before :meth:`_update` runs, and :meth:`_update` forms everything that can still fail
+    (the clipped sum and its non-finite check) before it writes a parameter or a state entry. A
+    step that raises leaves the parameters, the state, the noise counter and (through
+    ``make_private``) the accountant exactly as they were, so a retry never reuses noise.
     """
 
     #: number of per-sample gradient sets read from ``p.grad_sample`` (DP-PMLF: ``k``)
@@ -123,16 +117,44 @@ class DPOptimizer(torch.optim.Optimizer):
         self.mode = mode
         self.r = _check_mode(mode, r)
         self.correlated_noise = self._check_correlated(correlated_noise, seed)
-        self.seed = correlated_noise.seed if correlated_noise is not None else fresh_seed() if seed is None else seed
-        _check_counter(self.seed, 0, 0, 0)
-        self._step = 0
+        if correlated_noise is not None:
+            self.seed = correlated_noise.seed
+        else:
+            self.seed = fresh_seed() if seed is None else _validate.integer("seed", seed, low=0, high=2**64)
         params = self._params()
-        if any(not p.is_floating_point() for p in params):
-            raise TypeError("every parameter must be a floating-point tensor")
-        if len({p.device for p in params}) != 1:
-            raise ValueError("all parameters of a DP optimizer must be on one device (one flat noise index)")
+        if not params:
+            raise ValueError(f"{type(self).__name__} got no parameters (every param group is empty)")
+        self._check_params(params)
+        self._step = 0
         for p in params:
             self.state[p] = self._init_state(p)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the parameters checked (and their state
+        created) at once: a group the optimizer cannot step is refused here, not in a later step."""
+        n = len(self.param_groups)
+        super().add_param_group(param_group)
+        if not hasattr(self, "_step"):  # called by torch's constructor: checked once, in __init__
+            return
+        try:
+            self._check_params(self._params())
+        except Exception:
+            del self.param_groups[n]
+            raise
+        for p in self.param_groups[n]["params"]:
+            self.state[p] = self._init_state(p)
+
+    def _check_params(self, params: list[Tensor]) -> None:
+        """Raise for a parameter the step cannot update: not floating point, or on another device
+        than the others (the noise is indexed by one flat counter over all of them)."""
+        for idx, p in enumerate(params):
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {idx} has dtype {p.dtype}; every parameter must be floating point")
+            if p.device != params[0].device:
+                raise ValueError(
+                    f"parameter {idx} is on {p.device} but parameter 0 is on {params[0].device}; all parameters "
+                    "of a DP optimizer must be on one device (one flat noise index)"
+                )
 
     # ----------------------------------------------------------------------------------------
     # Hooks for subclasses
@@ -204,42 +226,54 @@ class DPOptimizer(torch.optim.Optimizer):
 
         ``noise``: optional pre-drawn noise on the clipped sum (``σ·Δ·z``, one tensor per
         parameter, shaped like it), used instead of :meth:`noise`, as ``privatize(noise=...)``.
+        All or nothing: a step that raises changes nothing (class docstring).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
+        self._check_params(params)
         grad_sets = self._grad_sets(params)
-        for p in params:
-            if not self.state[p]:  # a parameter added with add_param_group
-                self.state[p] = self._init_state(p)
         if noise is not None:
             if self.correlated_noise is not None:
                 raise ValueError(
                     "step(noise=...) cannot be combined with correlated_noise (its state would skip a step)"
                 )
             noise = self._check_noise(noise, params)
-        t = self._step + 1
-        _check_counter(self.seed, t, 0, 0)
+        t = self._begin_step(params)
         self._update(params, grad_sets, t, noise)
         self._step = t
         return loss
 
     @torch.no_grad()
-    def step_from_sums(self, sums: Sequence[Tensor], *, noise: Sequence[Tensor] | None = None) -> None:
+    def step_from_sums(
+        self, sums: Sequence[Tensor], *, sensitivity: float, noise: Sequence[Tensor] | None = None
+    ) -> None:
         """One step from a clipped sum ``S`` formed elsewhere (per-layer clipping, micro-batches, ghost
-        clipping, an all-reduce): ``g̃ = (S + ν)·(1/B)`` with ``ν = σ·C·z_t`` (or ``noise``), then the
-        update of :meth:`step`. ``sums``: one tensor per parameter, shaped like it, in the state dtype
-        (fp32; fp64 for fp64 parameters). ``max_grad_norm`` (the ``Δ`` the noise is scaled by),
+        clipping, an all-reduce): ``g̃ = (S + ν)·(1/B)`` with ``ν = σ·Δ·z_t`` (or ``noise``), then the
+        update of :meth:`step`. Only for algorithms whose clip does not depend on their state.
+
+        Args:
+            sums: one tensor per parameter, shaped like it, in the state dtype (fp32; fp64 for fp64
+                parameters).
+            sensitivity: ``Δ``, the add/remove ℓ2 sensitivity of ``sums`` (required: the optimizer
+                cannot know how ``S`` was clipped): ``C`` for flat clipping at ``C``,
+                ``‖(C_1, …, C_L)‖₂`` for per-layer bounds ``C_l``. The noise std is ``σ·Δ``; too small a
+                value is a privacy failure no check can see.
+            noise: pre-drawn ``σ·Δ·z`` per parameter, used instead of the generator.
+
         ``noise_multiplier`` and ``expected_batch_size`` are read at each call (see
-        :meth:`set_step_params`). Only for algorithms whose clip does not depend on their state.
+        :meth:`set_step_params`); ``max_grad_norm`` is not used.
         """
         if not self._accepts_sums:
             raise NotImplementedError(
                 f"{type(self).__name__} clips with its own state (or several gradient sets); it has no step_from_sums"
             )
+        delta = _check_number("sensitivity", sensitivity, low=0.0, low_open=True)
+        _validate.fp32_scale("noise_multiplier · sensitivity", self.noise_multiplier * delta)
         params = self._params()
+        self._check_params(params)
         if isinstance(sums, Tensor) or not isinstance(sums, Sequence) or len(sums) != len(params):
             raise ValueError(f"sums must be a list of {len(params)} tensors shaped like the parameters")
         for idx, (s, p) in enumerate(zip(sums, params, strict=True)):
@@ -249,28 +283,38 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"sums[{idx}] is {tuple(s.shape)} on {s.device}; expected {tuple(p.shape)} on {p.device}"
                 )
-        for p in params:
-            if not self.state[p]:
-                self.state[p] = self._init_state(p)
         if noise is not None:
             if self.correlated_noise is not None:
                 raise ValueError("step_from_sums(noise=...) cannot be combined with correlated_noise")
             noise = self._check_noise(noise, params)
-        t = self._step + 1
-        _check_counter(self.seed, t, 0, 0)
-        self._update_from_sums(params, list(sums), t, noise)
+        t = self._begin_step(params)
+        self._update_from_sums(params, list(sums), t, noise, delta)
         self._step = t
 
-    def set_step_params(self, noise_multiplier: float, max_grad_norm: float, expected_batch_size: int) -> None:
-        """Set ``σ``, ``C`` (= ``Δ``, the noise scale) and ``B`` for the next step, with the constructor's checks."""
-        self.noise_multiplier = _check_number("noise_multiplier", noise_multiplier, low=0.0)
-        self.max_grad_norm = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
-        B = expected_batch_size
-        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-            raise ValueError(f"expected_batch_size must be a positive int, got {expected_batch_size!r}")
-        self.expected_batch_size = B
+    def _begin_step(self, params: list[Tensor]) -> int:
+        """The counter ``t`` of the step about to run (checked), with state for every parameter."""
+        t = self._step + 1
+        _check_counter(self.seed, t, 0, 0)
+        for p in params:
+            if not self.state[p]:  # a parameter whose state a loaded state_dict did not hold
+                self.state[p] = self._init_state(p)
+        return t
 
-    def _update_from_sums(self, params: list[Tensor], sums: list[Tensor], t: int, noise) -> None:
+    def check_step_params(self, noise_multiplier, max_grad_norm, expected_batch_size) -> tuple[float, float, int]:
+        """``(σ, C, B)`` as :meth:`set_step_params` would set them, or the constructor's error."""
+        sigma = _check_number("noise_multiplier", noise_multiplier, low=0.0)
+        C = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        B = _validate.integer("expected_batch_size", expected_batch_size, low=1)
+        _validate.fp32_scale("noise_multiplier · max_grad_norm", sigma * C)
+        return sigma, C, B
+
+    def set_step_params(self, noise_multiplier: float, max_grad_norm: float, expected_batch_size: int) -> None:
+        """Set ``σ``, ``C`` (= ``Δ``, the noise scale of :meth:`step`) and ``B`` for the next step, with
+        the constructor's checks; all three are checked before any is set."""
+        checked = self.check_step_params(noise_multiplier, max_grad_norm, expected_batch_size)
+        self.noise_multiplier, self.max_grad_norm, self.expected_batch_size = checked
+
+    def _update_from_sums(self, params: list[Tensor], sums: list[Tensor], t: int, noise, delta: float) -> None:
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -282,35 +326,88 @@ class DPOptimizer(torch.optim.Optimizer):
             else:
                 p.grad_sample.zero_()
 
+    def _state_layout(self) -> str:
+        """Name of the layout of ``state``: a checkpoint loads only into the same layout."""
+        return "reference"
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["dp"] = {"step": self._step, "seed": self.seed, **self._global_state()}
+        sd["dp"] = {
+            "class": type(self).__name__,
+            "layout": self._state_layout(),
+            "step": self._step,
+            "seed": self.seed,
+            **self._global_state(),
+        }
         if self.correlated_noise is not None:
             sd["dp"]["correlated_noise"] = self.correlated_noise.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "dp" not in state_dict:
-            raise ValueError(f"state_dict has no 'dp' entry; it was not saved by a {type(self).__name__}")
-        state_dict = dict(state_dict)
-        dp = state_dict.pop("dp")
-        saved = state_dict["state"]
+        """Restore a :meth:`state_dict`. Everything is checked first (class, state layout, step, seed,
+        global fields, every parameter's state keys, shapes and dtypes); a state_dict that fails a
+        check raises ``ValueError`` naming the field and leaves the optimizer unchanged."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("dp"), dict):
+            raise ValueError(f"state_dict has no 'dp' entry; it was not saved by a {name}")
+        dp = state_dict["dp"]
+        if dp.get("class") != name:
+            raise ValueError(
+                f"state_dict['dp']['class'] is {dp.get('class')!r}: it was saved by another optimizer, not a {name}"
+            )
+        if dp.get("layout") != self._state_layout():
+            raise ValueError(
+                f"state_dict['dp']['layout'] is {dp.get('layout')!r} but this optimizer keeps the "
+                f"{self._state_layout()!r} state layout; load it on a backend of that layout"
+            )
+        step = _validate.integer("state_dict['dp']['step']", dp.get("step"), low=0, high=2**32)
+        seed = _validate.integer("state_dict['dp']['seed']", dp.get("seed"), low=0, high=2**64)
+        missing = sorted(self._global_state().keys() - dp.keys())
+        if missing:
+            raise ValueError(f"state_dict['dp'] lacks the field(s) {missing} of a {name}")
+        if (self.correlated_noise is None) != ("correlated_noise" not in dp):
+            raise ValueError("state_dict and optimizer disagree on whether correlated_noise is used")
+        saved = state_dict.get("state")
+        groups = state_dict.get("param_groups")
+        if not isinstance(saved, dict) or not isinstance(groups, list):
+            raise ValueError("state_dict lacks 'state' or 'param_groups'")
+        ids = [i for g in groups for i in g["params"]]
+        params = self._params()
+        if len(ids) != len(params):
+            raise ValueError(f"state_dict holds {len(ids)} parameters, the optimizer {len(params)}")
+        for idx, (i, p) in enumerate(zip(ids, params, strict=True)):
+            if i in saved:
+                self._check_saved_state(idx, p, saved[i])
+        state_dict = {k: v for k, v in state_dict.items() if k != "dp"}
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter dtype on load (lossy for bf16 parameters);
         # put back the saved tensors in their own dtype, on the parameter's device.
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for i, p in zip(ids, self._params(), strict=True):
+        for i, p in zip(ids, params, strict=True):
             if i in saved:
                 self.state[p] = {
                     key: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v for key, v in saved[i].items()
                 }
-        self._step = int(dp["step"])
-        self.seed = int(dp["seed"])
-        if (self.correlated_noise is None) != ("correlated_noise" not in dp):
-            raise ValueError("state_dict and optimizer disagree on whether correlated_noise is used")
+        self._step, self.seed = step, seed
         if self.correlated_noise is not None:
             self.correlated_noise.load_state_dict(dp["correlated_noise"])
         self._load_global_state(dp)
+
+    def _check_saved_state(self, idx: int, p: Tensor, saved: dict) -> None:
+        """The saved state of parameter ``idx`` has this optimizer's keys, shapes and dtypes."""
+        want = self._init_state(p)
+        if not isinstance(saved, dict) or saved.keys() != want.keys():
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"state_dict['state'] of parameter {idx} has keys {got}; a {type(self).__name__} keeps "
+                f"{sorted(want)} (saved by another optimizer class or state layout?)"
+            )
+        for key, w in want.items():
+            v = saved[key]
+            if isinstance(w, Tensor) and not (isinstance(v, Tensor) and v.shape == w.shape and v.dtype == w.dtype):
+                got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, Tensor) else type(v).__name__
+                raise ValueError(
+                    f"state_dict['state'] of parameter {idx}: {key!r} is {got}, expected {tuple(w.shape)} {w.dtype}"
+                )
 
     # ----------------------------------------------------------------------------------------
     # Shared pieces
@@ -357,6 +454,11 @@ class DPOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{name} has shape {tuple(g.shape)}; expected [B, *{tuple(p.shape)}]")
                 if g.device != p.device:
                     raise ValueError(f"{name} is on {g.device} but the parameter is on {p.device}")
+                if g.dtype == torch.float64 and p.dtype != torch.float64:
+                    raise TypeError(
+                        f"{name} is float64 but the parameter is {p.dtype}; per-sample gradients are in the "
+                        "parameter's precision (float64 ones only for float64 parameters)"
+                    )
                 if B is None:
                     B = g.shape[0]
                 elif g.shape[0] != B:
@@ -460,10 +562,10 @@ class DPSGD(DPOptimizer):
 
     def _update(self, params, grad_sets, t, noise):
         sums, _ = self._clip(grad_sets, self.max_grad_norm)
-        self._update_from_sums(params, sums, t, noise)
+        self._update_from_sums(params, sums, t, noise, self.max_grad_norm)
 
-    def _update_from_sums(self, params, sums, t, noise):
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, self.max_grad_norm, noise))
+    def _update_from_sums(self, params, sums, t, noise, delta):
+        g_priv = self._private_mean(sums, self._noise_on_sum(t, delta, noise))
         for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
             theta = p.to(g.dtype)
             d = g + group["weight_decay"] * theta if group["weight_decay"] else g
@@ -482,18 +584,19 @@ class _AdamBase(DPOptimizer):
     """Adam moments on a private gradient ``g̃``. The default ``_update`` is post-processing
     (``g̃ = (S + ν)/B``); subclasses give the denominator, or their own ``g̃``."""
 
-    def _denominator(self, v_hat: Tensor, group: dict) -> Tensor:
+    def _denominator(self, v_hat: Tensor, group: dict, delta: float) -> Tensor:
+        """The Adam denominator for a private gradient whose noise std is ``σ·delta/B``."""
         raise NotImplementedError
 
     def _update(self, params, grad_sets, t, noise):
         sums, _ = self._clip(grad_sets, self.max_grad_norm)
-        self._update_from_sums(params, sums, t, noise)
+        self._update_from_sums(params, sums, t, noise, self.max_grad_norm)
 
-    def _update_from_sums(self, params, sums, t, noise):
-        g_priv = self._private_mean(sums, self._noise_on_sum(t, self.max_grad_norm, noise))
+    def _update_from_sums(self, params, sums, t, noise, delta):
+        g_priv = self._private_mean(sums, self._noise_on_sum(t, delta, noise))
         for p, g, group in zip(params, g_priv, self._groups_of(), strict=True):
             m_hat, v_hat = self._adam_moments(p, g, group, t)
-            self._adam_step(p, m_hat, self._denominator(v_hat, group), group)
+            self._adam_step(p, m_hat, self._denominator(v_hat, group, delta), group)
 
     def _init_state(self, p):
         dt = _state_dtype(p)
@@ -560,7 +663,7 @@ class DPAdam(_AdamBase):
 
     _accepts_sums = True
 
-    def _denominator(self, v_hat, group):
+    def _denominator(self, v_hat, group, delta):
         return v_hat.sqrt() + group["eps"]
 
 
@@ -610,11 +713,15 @@ class DPAdamBC(_AdamBase):
 
     @property
     def phi(self) -> float:
-        """``Φ = (σ·C/B)²``, the variance of the noise in each coordinate of ``g̃``."""
-        return (self.noise_multiplier * self.max_grad_norm / self.expected_batch_size) ** 2
+        """``Φ = (σ·C/B)²``, the variance of the noise in each coordinate of ``g̃`` of :meth:`step`."""
+        return self._phi(self.max_grad_norm)
 
-    def _denominator(self, v_hat, group):
-        return torch.clamp(v_hat - self.phi, min=group["gamma_prime"]).sqrt()
+    def _phi(self, delta: float) -> float:
+        """``(σ·Δ/B)²`` for noise std ``σ·Δ`` on the sum (``Δ``: C, or step_from_sums' sensitivity)."""
+        return (self.noise_multiplier * delta / self.expected_batch_size) ** 2
+
+    def _denominator(self, v_hat, group, delta):
+        return torch.clamp(v_hat - self._phi(delta), min=group["gamma_prime"]).sqrt()
 
 
 class DPAdamSTP(_AdamBase):
@@ -680,9 +787,9 @@ class DPAdamSTP(_AdamBase):
         g_priv = self._private_mean(sums, nus)
         for p, g, group in zip(params, g_priv, groups, strict=True):
             m_hat, v_hat = self._adam_moments(p, g, group, t)
-            self._adam_step(p, m_hat, self._denominator(v_hat, group), group)
+            self._adam_step(p, m_hat, self._denominator(v_hat, group, C), group)
 
-    def _denominator(self, v_hat, group):
+    def _denominator(self, v_hat, group, delta):
         return v_hat.sqrt() + group["eps2"]
 
 
@@ -893,15 +1000,27 @@ class DP2(DPOptimizer):
         dt = _state_dtype(p)
         return {"v": torch.zeros_like(p, dtype=dt), "G": torch.zeros_like(p, dtype=dt)}
 
-    def _refresh(self, params, groups) -> None:
-        """``v ← βv + (1−β)(G/s1)²`` (AdaGrad: ``v + (G/s1)²``), ``G ← 0``: once per cycle, before the
-        first adaptive step."""
+    def check_step_params(self, noise_multiplier, max_grad_norm, expected_batch_size):
+        checked = super().check_step_params(noise_multiplier, max_grad_norm, expected_batch_size)
+        _validate.fp32_scale("noise_multiplier · max_grad_norm2", checked[0] * self.max_grad_norm2)
+        return checked
+
+    def _refreshed_v(self, params, groups) -> list[Tensor]:
+        """``βv + (1−β)(G/s1)²`` (AdaGrad: ``v + (G/s1)²``): the preconditioner of a cycle's adaptive
+        phase, from the ``G`` of its SGD phase. Returned, not stored: the step commits it (with
+        ``G ← 0``) only once its clipped sum is formed, so a failed step leaves ``v`` and ``G`` as
+        they were."""
+        out = []
         for p, group in zip(params, groups, strict=True):
             st = self.state[p]
             G2 = (st["G"] / self.s1) ** 2
-            st["v"] = group["beta"] * st["v"] + (1 - group["beta"]) * G2 if self.preconditioner == "rmsprop" \
-                else st["v"] + G2  # fmt: skip
-            st["G"] = torch.zeros_like(st["G"])
+            out.append(group["beta"] * st["v"] + (1 - group["beta"]) * G2 if self.preconditioner == "rmsprop"
+                       else st["v"] + G2)  # fmt: skip
+        return out
+
+    def _commit_refresh(self, params, v: list[Tensor]) -> None:
+        for p, vv in zip(params, v, strict=True):
+            self.state[p].update(v=vv, G=torch.zeros_like(self.state[p]["G"]))
 
     def phase(self, t: int) -> str:
         """``"sgd"`` or ``"adaptive"`` for the 1-based step ``t``."""
@@ -910,12 +1029,7 @@ class DP2(DPOptimizer):
     def _update(self, params, grad_sets, t, noise):
         groups = self._groups_of()
         pos = (t - 1) % (self.s1 + self.s2)  # position in the cycle
-        if pos == 0:
-            for p in params:
-                self.state[p]["G"] = torch.zeros_like(self.state[p]["G"])
-        if pos == self.s1:
-            self._refresh(params, groups)
-        if pos < self.s1:
+        if pos < self.s1:  # G is 0 at pos 0: the refresh reset it and adaptive steps do not add to it
             C = self.max_grad_norm
             sums, _ = self._clip(grad_sets, C)
             g_priv = self._private_mean(sums, self._noise_on_sum(t, C, noise))
@@ -924,8 +1038,11 @@ class DP2(DPOptimizer):
                 self._write(p, p.to(g.dtype) - group["lr"] * g)
         else:
             C = self.max_grad_norm2
-            inv_d = [1 / (self.state[p]["v"].sqrt() + group["eps"]) for p, group in zip(params, groups, strict=True)]
+            v = self._refreshed_v(params, groups) if pos == self.s1 else [self.state[p]["v"] for p in params]
+            inv_d = [1 / (vv.sqrt() + group["eps"]) for vv, group in zip(v, groups, strict=True)]
             sums, _ = self._clip(grad_sets, C, scale=inv_d)
+            if pos == self.s1:
+                self._commit_refresh(params, v)
             g_priv = self._private_mean([s * d for s, d in zip(sums, inv_d, strict=True)],
                                         self._noise_on_sum(t, C, noise))  # fmt: skip
             for p, g, group in zip(params, g_priv, groups, strict=True):

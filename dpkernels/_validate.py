@@ -1,0 +1,88 @@
+"""Argument checks shared by every public entry point: one rule and one message per mistake.
+
+Real numbers are accepted in any numeric type a user is likely to hold: Python ``int``/``float``,
+NumPy scalars, and 0-d real tensors (read with ``.item()``, which synchronises a CUDA tensor once).
+``bool`` (Python, NumPy or a bool tensor) is refused everywhere: ``True`` as a noise multiplier
+is a mistake, not σ = 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+#: Largest finite float32. A noise std, a clip bound or a coefficient above it becomes inf inside
+#: the fp32 kernels, so it is refused rather than silently turned into a non-private inf.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _scalar(value):
+    """``value`` as a Python number, or None when it is not a real, non-bool scalar."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            return None
+        return value.item()
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_ is not a numbers.Real
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def _interval(low, high, low_open, high_open) -> str:
+    lo = "-inf" if low is None else f"{low}"
+    hi = "inf" if high is None else f"{high}"
+    return f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+
+
+def real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+         high_open: bool = False) -> float:  # fmt: skip
+    """``value`` as a finite float in ``[low, high]`` (``low_open``/``high_open`` exclude an end), else
+    ``ValueError`` naming ``name`` (also for a non-number, bools included: one exception type for
+    every bad scalar, the type users already catch)."""
+    x = _scalar(value)
+    if x is None:
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    x = float(x)
+    ok = math.isfinite(x)
+    if ok and low is not None:
+        ok = x > low if low_open else x >= low
+    if ok and high is not None:
+        ok = x < high if high_open else x <= high
+    if not ok:
+        raise ValueError(
+            f"{name} must be a finite number in {_interval(low, high, low_open, high_open)}, got {value!r}"
+        )
+    return x
+
+
+def integer(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high)`` (an integral float such as ``3.0`` is refused: a seed or a
+    step given as a float has usually lost bits), else ``ValueError`` naming ``name``."""
+    x = _scalar(value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        x = None
+    if x is None or not isinstance(x, int):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if (low is not None and x < low) or (high is not None and x >= high):
+        lo = "-inf" if low is None else str(low)
+        hi = (
+            "inf"
+            if high is None
+            else f"2^{high.bit_length() - 1}"
+            if high > 2**20 and high & (high - 1) == 0
+            else f"{high}"
+        )
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}), got {value!r}")
+    return x
+
+
+def fp32_scale(name: str, value: float) -> float:
+    """A product such as ``σ·C`` that the kernels form in fp32: refused when it overflows fp32."""
+    if not value <= FP32_MAX:
+        raise ValueError(f"{name} = {value!r} overflows float32 (max {FP32_MAX:.4g}); the noise would be inf")
+    return value
