@@ -377,3 +377,85 @@ def test_empty_poisson_batch_is_a_noise_only_step(algorithm):
     for p, b in zip(module.parameters(), before, strict=True):
         assert torch.isfinite(p).all() and not torch.equal(p, b)
     assert pe.accountant.history == [(1.0, 1 / 8, 1)]
+
+
+def _one_batch(module, algorithm, nan=False):
+    x, y = _data().tensors
+    x, y = x[:8].clone(), y[:8]
+    if nan:
+        x[3, 0] = float("nan")
+    nn.functional.cross_entropy(module(x), y).backward()
+    return x, y
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize(
+    "attr, value, match",
+    [
+        ("noise_multiplier", float("nan"), "noise_multiplier must be a finite number"),
+        ("noise_multiplier", -1.0, "noise_multiplier must be a finite number"),
+        ("max_grad_norm", 0.0, "max_grad_norm must be a finite number"),
+        ("max_grad_norm", -1.0, "max_grad_norm must be a finite number"),
+        ("max_grad_norm", float("inf"), "max_grad_norm must be a finite number"),
+        ("expected_batch_size", 0, r"expected_batch_size must be an integer in \[1"),
+    ],
+)
+def test_step_validates_opacus_attributes(backend, attr, value, match):
+    """σ, C and E set on the Opacus optimizer after make_private are checked with the constructor's
+    messages, on every backend, before anything (parameters, counter, accountant) changes."""
+    pe = PrivacyEngine(accountant="rdp")
+    module, opt, _ = pe.make_private(**_args(), algorithm="dpsgd", backend=backend, seed=2)
+    x, y = _one_batch(module, "dpsgd")
+    opt.step()
+    opt.zero_grad()
+    _one_batch(module, "dpsgd")
+    setattr(opt, attr, value)
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+    assert opt.engine.steps_taken == 1
+    assert pe.accountant.history == [(1.0, 1 / 8, 1)]
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "dp2", "macadam"])
+def test_failed_step_is_not_accounted(algorithm):
+    """A step that raises (a NaN per-sample gradient) changes nothing and is not accounted; the retry
+    on a good batch is the step the run would have taken."""
+    make_opt, algo_kwargs = SETUPS[algorithm]
+    runs = []
+    for fail in (False, True):
+        model = _model()
+        pe = PrivacyEngine(accountant="rdp")
+        module, opt, _ = pe.make_private(
+            **_args(module=model, optimizer=make_opt(model.parameters())), algorithm=algorithm, backend="cpu",
+            seed=2, **algo_kwargs,
+        )  # fmt: skip
+        if fail:
+            _one_batch(module, algorithm, nan=True)
+            before = [p.detach().clone() for p in module.parameters()]
+            with pytest.raises(ValueError, match="non-finite"):
+                opt.step()
+            assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+            assert opt.engine.steps_taken == 0 and len(pe.accountant.history) == 0
+            opt.zero_grad()
+        _one_batch(module, algorithm)
+        opt.step()
+        runs.append([p.detach().clone() for p in module.parameters()])
+        assert pe.accountant.history == [(1.0, 1 / 8, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_empty_param_group_passes_through(backend):
+    """torch allows an empty param group and make_private passes it on: the engine steps over it."""
+    model = _model()
+    optimizer = torch.optim.SGD([{"params": list(model.parameters())}, {"params": []}], lr=0.1)
+    pe = PrivacyEngine(accountant="rdp")
+    module, opt, _ = pe.make_private(**_args(module=model, optimizer=optimizer), algorithm="dpsgd",
+                                     backend=backend, seed=2)  # fmt: skip
+    before = [p.detach().clone() for p in module.parameters()]
+    _one_batch(module, "dpsgd")
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+    assert opt.engine.steps_taken == 1 and pe.accountant.history == [(1.0, 1 / 8, 1)]

@@ -418,3 +418,75 @@ def test_accelerate_errors_after():
         accelerate(opt2)
     with pytest.raises(RuntimeError, match="not available"):
         accelerate(_opacus_opt(), backend="cuda")
+
+
+def _twin_opts(inner_cls=torch.optim.SGD, backend="cpu", seed=3, **kw):
+    """Two accelerated optimizers over equal parameters and the same noise key."""
+    a, b = _opacus_opt(inner_cls, **kw), _opacus_opt(inner_cls, **kw)
+    with torch.no_grad():
+        for pa, pb in zip(a.params, b.params, strict=True):
+            pb.copy_(pa)
+    return accelerate(a, backend=backend, seed=seed), accelerate(b, backend=backend, seed=seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_micro_batch_leaves_accumulator(backend):
+    """Gradient accumulation: a NaN in the second micro-batch raises before the first is added to
+    p.summed_grad, so a retry without zero_grad() counts every micro-batch once (it used to count the
+    first twice: sensitivity 2C)."""
+    opt, clean = _twin_opts(backend=backend)
+    g = torch.Generator().manual_seed(4)
+    micro = [[torch.randn(5, *p.shape, generator=g) for p in opt.params] for _ in range(2)]
+    poisoned = [t.clone() for t in micro[1]]
+    poisoned[0][2, 0] = float("nan")
+    for p, a, b in zip(opt.params, micro[0], poisoned, strict=True):
+        p.grad_sample = [a.clone(), b]
+    before = [p.detach().clone() for p in opt.params]
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+    assert all(p.summed_grad is None for p in opt.params)
+    assert all(torch.equal(p, b) for p, b in zip(opt.params, before, strict=True))
+    for o in (opt, clean):
+        for p, a, b in zip(o.params, *micro, strict=True):
+            p.grad_sample = [a.clone(), b.clone()]
+        o.step()
+    assert all(torch.equal(pa, pb) for pa, pb in zip(opt.params, clean.params, strict=True))
+    assert opt.dpkernels_engine.steps_taken == clean.dpkernels_engine.steps_taken == 1
+
+
+def test_plain_sgd_state_dict_with_seeded_key_refused():
+    """A torch SGD state_dict carries no step count: resuming a seeded key from it would restart the
+    counter and repeat the noise of steps 1, 2, ..., so it is refused; a fresh key is safe."""
+    opt, _ = _twin_opts(momentum=0.9)
+    for seed in (0, 1):
+        _set_grad_samples(opt, seed)
+        opt.step()
+        opt.zero_grad()
+    plain = opt.original_optimizer.state_dict()
+    resumed = accelerate(_opacus_opt(momentum=0.9), backend="cpu", seed=3)
+    with pytest.raises(ValueError, match="does not record how many steps"):
+        resumed.load_state_dict(plain)
+    assert resumed.dpkernels_engine.steps_taken == 0 and not resumed.original_optimizer.state
+    fresh = accelerate(_opacus_opt(momentum=0.9), backend="cpu")
+    fresh.load_state_dict(plain)
+    assert fresh.dpkernels_engine.seed != opt.dpkernels_engine.seed
+
+
+def test_accelerated_state_dict_resumes_counter():
+    """The accelerated optimizer's own state_dict carries the counter: the resumed step uses step 3's noise."""
+    opt, twin = _twin_opts(momentum=0.9)
+    for o in (opt, twin):
+        for seed in (0, 1):
+            _set_grad_samples(o, seed)
+            o.step()
+            o.zero_grad()
+    resumed = accelerate(_opacus_opt(momentum=0.9), backend="cpu", seed=3)
+    with torch.no_grad():
+        for p, q in zip(resumed.params, opt.params, strict=True):
+            p.copy_(q)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert resumed.dpkernels_engine.steps_taken == 2
+    for o in (resumed, twin):
+        _set_grad_samples(o, 2)
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(resumed.params, twin.params, strict=True))
