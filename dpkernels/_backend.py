@@ -86,6 +86,8 @@ def _why_unavailable(backend: str, dev: str) -> str:
         return "no CUDA device is available"
     if not has_triton():
         return "triton is not installed; `pip install triton`"
+    if dev not in ("cpu", "cuda"):
+        return f"the triton backend runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got {dev} tensors"
     return "Triton needs a CUDA device, or TRITON_INTERPRET=1 (set before importing dpkernels) to run on CPU"
 
 
@@ -100,8 +102,10 @@ def runs_native(backend: str, t: torch.Tensor) -> bool:
 def resolve(backend: str, device: torch.device) -> str:
     """Map ``backend`` (``"auto"`` or a name in :data:`BACKENDS`) to a usable backend for ``device``.
 
-    ``auto`` picks cuda, then triton for CUDA tensors, and cpu, then reference for CPU tensors.
-    An explicit backend that cannot run raises and says how to fix it.
+    ``auto`` picks cuda, then triton for CUDA tensors, and cpu, then reference for CPU tensors;
+    on meta tensors it gives reference, whose registered ops dispatch to their fake kernels (output
+    shapes only). An explicit backend that cannot run raises and says how to fix it, also on meta
+    tensors.
     """
     dev = device.type
     if dev == "cpu" and backend in ("auto", "cpu") and _EXTENSION is not None:
@@ -113,6 +117,13 @@ def resolve(backend: str, device: torch.device) -> str:
         return next(b for b in order if b in usable)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if dev == "meta":
+        # Meta tensors have shapes but no data: only the ops' fake kernels apply, which dispatch
+        # by device whatever the backend, so backend="auto" is the one request that means that.
+        raise RuntimeError(
+            f"backend {backend!r} cannot run on meta tensors (they hold no data); pass backend='auto' "
+            "to get the output shapes and dtypes from the ops' fake kernels"
+        )
     if backend not in usable:
         raise RuntimeError(f"backend {backend!r} is not available: {_why_unavailable(backend, dev)}")
     return backend

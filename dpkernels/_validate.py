@@ -13,9 +13,13 @@ import numbers
 
 import torch
 
-#: Largest finite float32. A noise std, a clip bound or a coefficient above it becomes inf inside
-#: the fp32 kernels, so it is refused rather than silently turned into a non-private inf.
+#: Largest finite float32. A clip bound or a coefficient above it becomes inf inside the fp32
+#: kernels, so it is refused rather than silently turned into a non-private inf.
 FP32_MAX = float(torch.finfo(torch.float32).max)
+#: Largest noise std ``σ·Δ``: the generators' normals satisfy ``|z| < 8.6`` (fp32 Box–Muller from
+#: 32-bit uniforms: ``√(2 ln 2³²) ≈ 6.7``; ChaCha20's float64 one from 53-bit uniforms: ``≈ 8.6``),
+#: so ``σΔ·z`` stays finite in fp32 with a margin of 2 for the sum it is added to.
+NOISE_STD_MAX = FP32_MAX / 16
 
 
 def _scalar(value):
@@ -24,7 +28,7 @@ def _scalar(value):
         if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
             return None
         return value.item()
-    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_ is not a numbers.Real
+    if isinstance(value, bool):  # a Python bool is an Integral; NumPy's bool is not a numbers.Real
         return None
     if isinstance(value, numbers.Integral):
         return int(value)
@@ -82,7 +86,11 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
 
 
 def fp32_scale(name: str, value: float) -> float:
-    """A product such as ``σ·C`` that the kernels form in fp32: refused when it overflows fp32."""
-    if not value <= FP32_MAX:
-        raise ValueError(f"{name} = {value!r} overflows float32 (max {FP32_MAX:.4g}); the noise would be inf")
+    """A noise std such as ``σ·C``, formed and multiplied by ``z`` in fp32: refused above
+    :data:`NOISE_STD_MAX`, where the noise (or the sum it is added to) would overflow to inf."""
+    if not value <= NOISE_STD_MAX:
+        raise ValueError(
+            f"{name} = {value!r} overflows float32 (a noise std must be at most {NOISE_STD_MAX:.4g}: the noise "
+            "would be inf)"
+        )
     return value

@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .noise import _counter_key, _from_limbs, _unsigned64
+from ._validate import FP32_MAX, _scalar, fp32_scale, integer, real
+from .noise import _chacha20_normals64, _counter_key, _fill, _from_limbs, _unsigned64
 from .reference import clip as ref
+from .reference.noise import round_once
 
 CLIP_MODES = ref.CLIP_MODES
 # Defaults for r: DP-PSAC recommends r = 0.1 (seeds/003 §B.4); Auto-S uses 0.01 as fastDP does.
@@ -163,6 +165,17 @@ def _(grads, coeffs, shift, scale, per_layer, backend):
 
 @torch.library.custom_op("dpkernels::clip_factors", mutates_args=())
 def _clip_factors_op(norms: Tensor, max_grad_norm: list[float], mode: str, r: float, backend: str) -> Tensor:
+    # A NaN/Inf norm would give a NaN weight and, in weighted_sum, a NaN sum: refused here as the
+    # fused pipeline refuses the sample (its nonfinite="drop" is the way to weight such samples 0).
+    bad = ~torch.isfinite(norms)
+    bad = bad if bad.dim() == 1 else bad.any(dim=1)
+    ref.check_nonfinite(
+        bad, "raise", "norm", "give those samples weight 0 yourself, or use clip_and_accumulate(..., nonfinite='drop')"
+    )
+    if backend in ("cpu", "cuda") and norms.dtype == torch.float32:
+        # The C++ kernels evaluate fp32 norms in fp32 with C rounded to nearest; the semantics are
+        # the reference's: f in fp64, rounded toward zero to fp32 (ref.clip_factors says why).
+        return ref.round_weights(_kernels(backend).clip_factors(norms.double(), max_grad_norm, mode, r))
     return _kernels(backend).clip_factors(norms, max_grad_norm, mode, r)
 
 
@@ -173,7 +186,38 @@ def _(norms, max_grad_norm, mode, r, backend):
 
 @torch.library.custom_op("dpkernels::weighted_sum", mutates_args=())
 def _weighted_sum_op(grads: list[Tensor], coeffs: list[float], weights: Tensor, backend: str) -> list[Tensor]:
-    return _kernels(backend).weighted_sum(_unflatten(grads, len(coeffs)), weights, coeffs)
+    sets = _unflatten(grads, len(coeffs))
+    dtype = _out_dtype(grads)
+    # fp64 weights for fp32 sums are rounded toward zero, as every clip weight is (never up).
+    w = ref.round_weights(weights) if weights.dtype == torch.float64 and dtype == torch.float32 else weights.to(dtype)
+    sums = _kernels(backend).weighted_sum(sets, w.contiguous(), coeffs)
+    _check_weighted_sum(sets, weights, coeffs, sums)
+    return sums
+
+
+def _check_weighted_sum(sets, weights: Tensor, coeffs: list[float], sums: list[Tensor]) -> None:
+    """Raise ``ValueError`` when a sum is NaN/Inf or a weight is beyond the sums' range, naming the
+    cause: the weights, the samples with a nonzero weight and a non-finite gradient, or else the
+    sum's own overflow. The finite case costs a max-abs pass over the sums and the weights (not
+    over the ``B×D`` gradients) and one sync; the samples are located only after it fails."""
+    top = torch.finfo(sums[0].dtype).max
+    parts = [t for t in (*sums, weights) if t.numel()]
+    if not parts or bool((torch.stack(torch._foreach_norm(parts, float("inf"))) <= top).all()):
+        return
+    big = ~(weights.abs() <= top).all(dim=1)
+    what = f"weight (NaN, Inf or beyond the {sums[0].dtype} range)"
+    ref.check_nonfinite(big, "raise", what, "weights must be finite")
+    bad = torch.zeros(weights.shape[0], dtype=torch.bool, device=weights.device)
+    for l, v in enumerate(ref.combine(sets, coeffs)):  # noqa: E741
+        bad |= (weights[:, l] != 0) & ~torch.isfinite(v).all(dim=1)
+    ref.check_nonfinite(
+        bad, "raise", "per-sample gradient with a nonzero weight", "give those samples weight 0 (they are skipped)"
+    )
+    over = [l for l, s in enumerate(sums) if not bool(torch.isfinite(s).all())]  # noqa: E741
+    raise ValueError(
+        f"the weighted sum overflows {sums[0].dtype} in tensor(s) {over}: every weighted sample is finite, "
+        "their sum is not; scale the weights down"
+    )
 
 
 @_weighted_sum_op.register_fake
@@ -233,6 +277,11 @@ def _privatize_op(
     nonfinite: str,
     backend: str,
 ) -> list[Tensor]:
+    if shift or scale:
+        return _privatize_affine(
+            grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale,
+            per_layer, noise, nonfinite, backend,
+        )  # fmt: skip
     if backend in ("cpu", "cuda"):
         return _native_privatize(
             grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale,
@@ -249,9 +298,87 @@ def _privatize_op(
     return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
 
 
+def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
+                      scale, per_layer, noise, nonfinite, backend):  # fmt: skip
+    """``privatize`` with ``shift``/``scale``: the noise goes where the clip bounds each sample.
+
+    The clip bounds ``‖c_i (v_i − shift) ⊙ scale‖ ≤ C``, not ``‖c_i v_i‖``, so the private release is
+    ``T = Σ_i c_i (v_i − shift) ⊙ scale + noise_std·z`` (sensitivity Δ, ``noise_std = σΔ``), and the
+    result is its post-processing back to gradient coordinates, the public ``shift`` added back::
+
+        out = (S − (Σ_i c_i)·shift + noise_std·z / scale) · out_scale + shift,    S = Σ_i c_i v_i
+
+    per tensor (``Σ_i c_i`` over that tensor's weights; no shift is 0, no scale is 1). The native
+    epilogue only knows ``(S + ν)·out_scale``, so this is composed on every backend: the noise-free
+    pipeline gives ``S`` and the weights, the noise comes from the fused path's stream (same key
+    and counters, element index global over the list; Philox ``noise_std·z`` in fp32 as there,
+    ChaCha20 in float64), the rest is float64, rounded once: one extra pass over the ``D`` outputs.
+    A pre-drawn ``noise`` replaces ``noise_std·z``, in the scaled space.
+    """
+    _check_affine(shift, scale, noise_std)
+    k = len(coeffs)
+    if backend in ("cpu", "cuda"):
+        sums, _, w = _native_pipeline(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)
+    else:
+        kernels = _kernels(backend)
+        sets = _unflatten(grads, k)
+        C = max_grad_norm if per_layer else max_grad_norm[0]
+        w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
+        sums = kernels.weighted_sum(sets, w, coeffs)
+    c_total = w.double().sum(dim=0)  # [L]
+    sizes = [s.numel() for s in sums]
+    nus = [n.double() for n in noise] if noise else [None] * len(sums)
+    if not noise and noise_std > 0:
+        device = sums[0].device
+        if rng == "chacha20":
+            z = noise_std * _chacha20_normals64(sum(sizes), key, step, stream, device, backend)
+        else:
+            z = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            _fill(z, noise_std, "philox", key, step, stream, 0, backend)
+        nus = [part.view_as(s).double() for part, s in zip(torch.split(z, sizes), sums, strict=True)]
+    out = []
+    for idx, (s, nu) in enumerate(zip(sums, nus, strict=True)):
+        x = s.double()
+        if shift:
+            x = x - c_total[idx] * shift[idx].double()
+        if nu is not None:
+            x = x + (nu / scale[idx].double() if scale else nu)
+        x = x * out_scale
+        if shift:
+            x = x + shift[idx].double()
+        out.append(round_once(x, s.dtype))
+    return out
+
+
+def _check_affine(shift: list[Tensor], scale: list[Tensor], noise_std: float) -> None:
+    """Refuse a shift/scale the release cannot be mapped back through (one device sync): a
+    non-finite entry; a zero scale (that coordinate is not bounded by the clip at all, so it cannot
+    be released); a scale so small that ``1/scale`` or ``noise_std/scale`` overflows fp32."""
+    for name, vecs in (("shift", shift), ("scale", scale)):
+        nonempty = [(idx, v) for idx, v in enumerate(vecs) if v.numel()]
+        if not nonempty:
+            continue
+        ranges = torch.stack([torch.stack([v.abs().amin(), v.abs().amax()]) for _, v in nonempty]).double().tolist()
+        for (idx, _), (lo, hi) in zip(nonempty, ranges, strict=True):
+            if not math.isfinite(hi):
+                raise ValueError(f"{name}[{idx}] has a non-finite entry; {name} must be finite")
+            if name != "scale":
+                continue
+            if lo == 0:
+                raise ValueError(
+                    f"scale[{idx}] has a zero entry: that coordinate is not bounded by the clip, so it cannot "
+                    "be released privately (the noise noise_multiplier·C/scale would be infinite)"
+                )
+            if not lo * FP32_MAX >= max(1.0, noise_std):
+                raise ValueError(
+                    f"scale[{idx}] has an entry of magnitude {lo:.4g}: 1/scale or the noise "
+                    f"{noise_std:.4g}/scale in gradient coordinates overflows float32 (max {FP32_MAX:.4g})"
+                )
+
+
 def _native_privatize(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
                       scale, per_layer, noise, nonfinite):  # fmt: skip
-    """``privatize`` on cpu/cuda: :func:`_native_pipeline` with the noise epilogue."""
+    """``privatize`` on cpu/cuda without shift/scale: :func:`_native_pipeline` with the noise epilogue."""
     return _native_pipeline(
         grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, rng=rng, noise_std=noise_std,
         key=key, step=step, stream=stream, out_scale=out_scale, noise=noise,
@@ -298,11 +425,10 @@ def _prepare(grad_samples, coeffs, backend: str, what: str = "grad_samples") -> 
         if k != 1:
             raise ValueError(f"{what} holds {k} gradient sets; pass coeffs=[α_1..α_{k}] to combine them")
         coeffs = [1.0]
-    coeffs = [float(a) for a in coeffs]
+    # The kernels combine the sets in fp32 (α_j as an fp32 value): a larger |α_j| would be inf.
+    coeffs = [real(f"coeffs[{j}]", a, low=-FP32_MAX, high=FP32_MAX) for j, a in enumerate(coeffs)]
     if len(coeffs) != k:
         raise ValueError(f"coeffs has {len(coeffs)} entries but {what} holds {k} gradient set(s)")
-    if not all(math.isfinite(a) for a in coeffs):
-        raise ValueError(f"coeffs must be finite, got {coeffs}")
     if L == 0:
         raise ValueError(f"{what} contains an empty gradient set")
     first = sets[0][0]
@@ -375,29 +501,39 @@ def _check_mode(mode: str, r: float | None) -> float:
         if r is not None:
             raise ValueError(f"r is only used by modes 'auto_s' and 'psac', not {mode!r}; leave it None")
         return 0.0
-    r = DEFAULT_R[mode] if r is None else r
-    if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
+    x = _scalar(DEFAULT_R[mode] if r is None else r)  # any real type; None for a bool or a non-number
+    if x is None or not (math.isfinite(x) and x > 0):
         raise ValueError(f"r must be a finite number > 0 for mode {mode!r}, got {r!r}")
-    return float(r)
+    return float(x)
 
 
 def _check_max_grad_norm(max_grad_norm, per_layer: bool, L: int) -> list[float]:
-    if type(max_grad_norm) is float and math.isfinite(max_grad_norm) and max_grad_norm > 0:
-        return [max_grad_norm]  # the common case, without the Sequence/Tensor probes below
-    if isinstance(max_grad_norm, Tensor):
-        max_grad_norm = max_grad_norm.tolist()
-    if not isinstance(max_grad_norm, (int, float, Sequence)) or isinstance(max_grad_norm, (bool, str)):
-        raise TypeError(
-            f"max_grad_norm must be a float (or a list of floats with per_layer=True), got {max_grad_norm!r}"
-        )
-    values = _as_list(max_grad_norm)
-    if isinstance(max_grad_norm, Sequence):
+    """``[C]``, or the ``L`` per-layer bounds, as floats in ``(0, FP32_MAX]`` (the kernels hold ``C``
+    in fp32). Any real type: Python, NumPy, 0-d tensors; a 1-d tensor or array is a list."""
+    if type(max_grad_norm) is float and 0.0 < max_grad_norm <= FP32_MAX:
+        return [max_grad_norm]  # the common case, without the probes below
+    if isinstance(max_grad_norm, Tensor) or type(max_grad_norm).__name__ == "ndarray":
+        # tolist() keeps bools as bools, so a bool tensor is refused below like True.
+        max_grad_norm = max_grad_norm.tolist() if max_grad_norm.ndim == 1 else max_grad_norm
+    is_list = isinstance(max_grad_norm, Sequence) and not isinstance(max_grad_norm, str)
+    if is_list:
         if not per_layer:
             raise ValueError("a list of max_grad_norm values needs per_layer=True; flat clipping takes one float")
-        if len(values) != L:
-            raise ValueError(f"max_grad_norm has {len(values)} entries for {L} parameter tensors")
-    if not all(math.isfinite(c) and c > 0 for c in values):
-        raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
+        if len(max_grad_norm) != L:
+            raise ValueError(f"max_grad_norm has {len(max_grad_norm)} entries for {L} parameter tensors")
+    values = []
+    for idx, v in enumerate(max_grad_norm if is_list else [max_grad_norm]):
+        name = f"max_grad_norm[{idx}]" if is_list else "max_grad_norm"
+        x = _scalar(v)
+        if x is None and not (isinstance(v, Tensor) or type(v).__name__ in ("bool", "bool_")):  # NumPy 2, 1
+            raise TypeError(
+                f"max_grad_norm must be a float (or a list of floats with per_layer=True), got {max_grad_norm!r}"
+            )
+        if x is None:  # a bool, or a tensor that is not a 0-d real number
+            raise ValueError(f"{name} must be a real number, got {v!r} ({type(v).__name__})")
+        if not (math.isfinite(x) and 0 < x <= FP32_MAX):
+            raise ValueError(f"{name} must be finite and > 0 (at most the float32 maximum {FP32_MAX:.4g}), got {v!r}")
+        values.append(float(x))
     return values
 
 
@@ -452,7 +588,12 @@ def clip_factors(norms: Tensor, max_grad_norm, *, mode: str = "clip", r: float |
     - ``psac``:   ``C/(n + r/(n + r))``      DP-PSAC (Xia et al., AAAI-23); default ``r = 0.1``.
 
     Every mode satisfies ``c·n ≤ C`` (``auto_s`` and ``psac`` strictly), so the sum of the
-    weighted gradients has sensitivity ``C`` under add/remove adjacency.
+    weighted gradients has sensitivity ``C`` under add/remove adjacency. ``f`` is evaluated in fp64
+    on every backend and an fp32 weight is rounded toward zero, so in fp32 one sample's contribution
+    ``c·g`` (``D`` elements) has ``‖c·g‖ ≤ C·(1 + 2^-21) + √D·2^-150``
+    (:func:`dpkernels.reference.clip.clip_factors` derives it).
+
+    Raises ``ValueError`` naming the samples whose norm is NaN or Inf (a non-finite gradient).
     """
     if not isinstance(norms, Tensor) or norms.dtype not in (torch.float32, torch.float64):
         raise TypeError("norms must be a float32 or float64 tensor [B] or [B, L]")
@@ -470,8 +611,13 @@ def clip_factors(norms: Tensor, max_grad_norm, *, mode: str = "clip", r: float |
 def weighted_sum(grad_samples, weights: Tensor, *, coeffs=None, backend="auto") -> list[Tensor]:
     """``S^(l) = Σ_i w_i Σ_j α_j g_i^(j,l)`` for each parameter ``l``, accumulated and returned in fp32.
 
-    ``weights`` is ``[B]`` or ``[B, L]`` (one weight per sample and tensor). A sample whose
-    weight is exactly 0 is skipped, so a dropped non-finite sample cannot poison the sum.
+    ``weights`` is ``[B]`` or ``[B, L]`` (one weight per sample and tensor), any float dtype; fp64
+    weights are rounded toward zero to fp32, as clip weights are. A sample whose weight is exactly
+    0 is skipped, so a dropped non-finite sample cannot poison the sum.
+
+    Raises ``ValueError`` instead of returning a NaN/Inf sum: naming the samples with a non-finite
+    weight (or one beyond fp32), or with a nonzero weight and a NaN/Inf gradient, or else saying
+    that the sum overflows.
     """
     batch = _prepare(grad_samples, coeffs, backend)
     backend = _backend.resolve(backend, batch.device)
@@ -485,8 +631,7 @@ def weighted_sum(grad_samples, weights: Tensor, *, coeffs=None, backend="auto") 
         )
     if weights.dim() == 1:
         weights = weights[:, None].expand(-1, batch.L)
-    w = weights.to(_out_dtype(batch.grads)).contiguous()
-    return _weighted_sum_op(batch.grads, batch.coeffs, w, backend)
+    return _weighted_sum_op(batch.grads, batch.coeffs, weights, backend)
 
 
 def privatize(
@@ -509,50 +654,70 @@ def privatize(
     rng: str = "philox",
     backend: str = "auto",
 ) -> list[Tensor]:
-    """The private gradient per parameter: ``(Σ_i c_i v_i + σ·C·z) / B``, fused.
+    """The private gradient per parameter: ``(Σ_i c_i v_i + σ·Δ·z) / B``, fused (with shift/scale:
+    the noise is added in the scaled space, below).
 
-    The clipped sum is formed exactly as :func:`clip_and_accumulate`; the Gaussian noise
-    ``σ·C·z`` (``C`` = ``max_grad_norm``, or ``‖(C_1..C_L)‖₂`` per layer, Opacus's convention) is
-    generated inside the pass that writes the result (Philox, docs/RNG.md: key ``seed``, counter
+    The clipped sum is formed exactly as :func:`clip_and_accumulate`; the Gaussian noise ``σ·Δ·z``
+    is generated inside the pass that writes the result (Philox, docs/RNG.md: key ``seed``, counter
     ``(element, step, stream)``, element index global over the parameter list), so no noise tensor
     is materialised. This is Opacus's ``clip_and_accumulate`` → ``add_noise`` → ``scale_grad``.
 
+    Sensitivity (add/remove adjacency) of what is noised, for every clip mode (each has
+    ``c_i·n_i ≤ C``), and what is returned (docs/ALGORITHMS.md, "Sensitivity of every private output"):
+
+    - plain: ``Δ = C`` (``max_grad_norm``); returns ``(S + σ·C·z) / B``, ``S = Σ_i c_i v_i``.
+    - ``per_layer=True``: ``Δ = ‖(C_1..C_L)‖₂`` (Opacus's convention); the same formula.
+    - ``shift``/``scale`` (flat or per layer, same ``Δ``): the clip bounds ``‖c_i (v_i − shift) ⊙
+      scale‖``, so the private quantity is ``T = Σ_i c_i (v_i − shift) ⊙ scale + σ·Δ·z``; returned is
+      its post-processing to gradient coordinates with the public ``shift`` added back (the private
+      mean gradient, DP-MacAdam's map-back)::
+
+          out = (S − (Σ_i c_i)·shift + σ·Δ·z / scale) / B + shift
+
+      i.e. per-coordinate noise std ``σΔ/(B·|scale|)``. Not fused: the noise-free pipeline, then the
+      same noise stream, composed in float64 and rounded once (one extra pass over ``D``).
+      ``scale`` must be finite and non-zero (a zero-scale coordinate is unbounded by the clip and
+      cannot be released), with ``1/scale`` and ``σΔ/scale`` within fp32; ``shift`` finite.
+
     Args:
-        noise_multiplier: ``σ``. The sum has add/remove sensitivity ``C`` for every clip mode.
+        noise_multiplier: ``σ`` (any real type; ``σ·Δ`` must fit in fp32).
         seed: the generator's key: 64-bit for Philox, 256-bit (int or 32 bytes) for ChaCha20;
             ``None`` draws a fresh one from the OS CSPRNG (reproducible runs must pass and store
             it). ``step`` must differ between steps, or the noise repeats.
         expected_batch_size: ``B`` for the mean (Opacus: the expected batch size under Poisson
             sampling). ``None`` divides by the realised batch size, which is not private under
             Poisson sampling: pass it for DP training.
-        noise: a pre-drawn list of noise tensors (already scaled: ``σ·C·z``) shaped like the
-            parameters, added instead of generating; for exact tests and other samplers.
+        noise: a pre-drawn list of noise tensors (already scaled: ``σ·Δ·z``; with ``scale``, in the
+            scaled space, so divided by ``scale`` before it is added) shaped like the parameters,
+            added instead of generating; for exact tests and other samplers.
         rng: ``"philox"`` (default; fast, fused into the sum's epilogue, **not cryptographic**) or
             ``"chacha20"`` (secure mode, docs/RNG.md §6: ChaCha20 keystream, float64 Box–Muller,
-            ``S + σCz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``; fused
-            into the sum's epilogue as well, on every backend).
+            ``S + σΔz`` formed in float64 and rounded once to fp32, then scaled by ``1/B``; fused
+            into the sum's epilogue as well, on every backend; with shift/scale the whole map-back
+            is formed in float64 and rounded once).
 
     Returns: one fp32 tensor per parameter, shaped like it.
     """
     batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
-    if not isinstance(noise_multiplier, (int, float)) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-    B = batch.B if expected_batch_size is None else expected_batch_size
-    if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-        raise ValueError(
-            f"expected_batch_size must be a positive int, got {expected_batch_size!r} (batch size {batch.B})"
-        )
-    key = _counter_key(rng, seed, step, stream, 0)
+    sigma = real("noise_multiplier", noise_multiplier, low=0.0)
+    if expected_batch_size is not None:
+        B = integer("expected_batch_size", expected_batch_size, low=1)
+    elif batch.B == 0:
+        raise ValueError("the batch is empty: pass expected_batch_size, the mean divides by it")
+    else:
+        B = batch.B
+    key, step, stream, _ = _counter_key(rng, seed, step, stream, 0)
     noise_v = []
     if noise is not None:
         noise_v = _prepare_vectors(noise, batch, "noise")
     sensitivity = math.sqrt(sum(c * c for c in C)) if per_layer else C[0]
+    noise_std = fp32_scale("noise_multiplier·sensitivity", sigma * sensitivity)
+    shift_v, scale_v = _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale")
     args = (
-        batch.grads, batch.coeffs, C, float(noise_multiplier) * sensitivity, rng, key, step, stream,
-        1.0 / B, mode, r, _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale"),
+        batch.grads, batch.coeffs, C, noise_std, rng, key, step, stream, 1.0 / B, mode, r, shift_v, scale_v,
         bool(per_layer), noise_v, nonfinite,
     )  # fmt: skip
-    if backend in ("cpu", "cuda"):
+    if backend in ("cpu", "cuda") and not (shift_v or scale_v):
         return _native_privatize(*args)  # the custom-op wrapper is skipped, as in clip_and_accumulate
     return _privatize_op(*args, backend)
 

@@ -38,16 +38,32 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._validate import FP32_MAX, integer, real
 from .filter import MAX_FILTER_BUFFERS, linear_filter_
 from .noise import _FLOAT_DTYPES, _check_counter, _check_std, fresh_seed
 
 
+def _float64(name: str, values) -> Tensor:
+    """``values`` (nested lists of real numbers of any type, an array or a tensor) as a float64 CPU
+    tensor. Bools are refused, as for every scalar: ``True`` is not a coefficient."""
+    if isinstance(values, Sequence) and not isinstance(values, str):
+        rows = [_float64(name, v) for v in values]
+        return torch.stack(rows) if rows else torch.zeros(0, dtype=torch.float64)
+    if isinstance(values, Tensor) or getattr(values, "ndim", 0) > 0:
+        if str(values.dtype) in ("bool", "torch.bool"):
+            raise ValueError(f"{name} must hold real numbers, got a bool {type(values).__name__}")
+        return torch.as_tensor(values, dtype=torch.float64).detach().cpu()
+    return torch.tensor(real(f"{name} entry", values), dtype=torch.float64)
+
+
 def _vector(name: str, values) -> Tensor:
-    v = torch.as_tensor(values, dtype=torch.float64).detach().cpu()
+    v = _float64(name, values)
     if v.dim() != 1 or v.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {tuple(v.shape)}")
     if not torch.isfinite(v).all():
         raise ValueError(f"{name} must be finite, got {v.tolist()}")
+    if (v.abs() > FP32_MAX).any():
+        raise ValueError(f"{name} must be within the float32 range (|x| <= {FP32_MAX:.4g}), got {v.tolist()}")
     return v
 
 
@@ -63,11 +79,13 @@ def _inverse_lower(C: Tensor) -> Tensor:
     return torch.linalg.solve_triangular(C, eye, upper=False)
 
 
-def _max_participations(n: int, min_sep: int, max_participations: int) -> int:
-    for name, v in (("num_steps", n), ("min_sep", min_sep), ("max_participations", max_participations)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return min(max_participations, (n - 1) // min_sep + 1)
+def _max_participations(n: int, min_sep: int, max_participations: int) -> tuple[int, int, int]:
+    """``(num_steps, min_sep, k)`` as ints, ``k`` the number of participations that fit."""
+    n, min_sep, max_participations = (
+        integer(name, v, low=1)
+        for name, v in (("num_steps", n), ("min_sep", min_sep), ("max_participations", max_participations))
+    )
+    return n, min_sep, min(max_participations, (n - 1) // min_sep + 1)
 
 
 class _StreamingNoise:
@@ -77,10 +95,8 @@ class _StreamingNoise:
 
     def __init__(self, num_buffers: int, std: float, seed: int | None, stream: int, start_step: int, backend: str):
         self.std = _check_std(std)
-        self.seed = fresh_seed() if seed is None else seed
-        _check_counter(self.seed, start_step, stream, 0)
-        self.stream = stream
-        self.start_step = start_step
+        self.seed, _, self.stream, _ = _check_counter(fresh_seed() if seed is None else seed, 0, stream, 0)
+        self.start_step = integer("start_step", start_step, low=0, high=2**32)
         self.backend = backend
         self._num_buffers = num_buffers
         self._buffers: list[list[Tensor]] | None = None
@@ -100,14 +116,15 @@ class _StreamingNoise:
         """The step the next call must use."""
         return self.start_step + self._index
 
-    def _check_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, got {step!r}")
+    def _check_step(self, step) -> int:
+        """``step`` as an int, which must be :attr:`next_step`."""
+        step = integer("step", step)
         if step != self.next_step:
             what = "repeats a step (it would reuse noise)" if step < self.next_step else "skips steps"
             raise ValueError(
                 f"{self._kind}: steps must be consecutive; expected step {self.next_step}, got {step}, which {what}"
             )
+        return step
 
     def _ensure_buffers(self, shapes: list[torch.Size], device: torch.device) -> None:
         if self._buffers is None:
@@ -154,7 +171,7 @@ class _StreamingNoise:
         for i, t in enumerate(tensors):
             if not isinstance(t, Tensor) or t.dtype not in _FLOAT_DTYPES:
                 raise TypeError(f"tensors[{i}] must be a float32, float16 or bfloat16 tensor")
-        self._check_step(step)
+        step = self._check_step(step)
         self._ensure_buffers([t.shape for t in tensors], tensors[0].device)
         self._step(tensors, step, accumulate=True)
         return tensors
@@ -169,7 +186,7 @@ class _StreamingNoise:
         if not shapes:
             raise ValueError("shapes must not be empty")
         device = torch.device(device) if device is not None else getattr(self, "_device", torch.device("cpu"))
-        self._check_step(step)
+        step = self._check_step(step)
         self._ensure_buffers(shapes, device)
         out = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
         self._step(out, step, accumulate=False)
@@ -199,8 +216,9 @@ class _StreamingNoise:
         if set(mine) != set(theirs) or not all(torch.equal(mine[k], theirs[k].to(mine[k])) for k in mine):
             raise ValueError(f"{self._kind}: state_dict was made with different mechanism parameters")
         self.std = _check_std(sd["std"])
-        _check_counter(sd["seed"], sd["start_step"], sd["stream"], 0)
-        self.seed, self.stream, self.start_step, self._index = sd["seed"], sd["stream"], sd["start_step"], sd["index"]
+        self.seed, _, self.stream, _ = _check_counter(sd["seed"], 0, sd["stream"], 0)
+        self.start_step = integer("start_step", sd["start_step"], low=0, high=2**32)
+        self._index = integer("index", sd["index"], low=0)
         bufs = sd["buffers"]
         if bufs is None or self._num_buffers == 0:
             self._buffers = None  # nothing to restore; shapes are taken from the next call
@@ -283,7 +301,7 @@ class BLTNoise(_StreamingNoise):
 
     def sensitivity(self, num_steps: int, *, min_sep: int = 1, max_participations: int = 1) -> float:
         """L2 sensitivity of ``C`` per unit of clip norm (see the class docstring)."""
-        k = _max_participations(num_steps, min_sep, max_participations)
+        num_steps, min_sep, k = _max_participations(num_steps, min_sep, max_participations)
         coefs = self.toeplitz_coefs(num_steps)
         if k > 1 and ((coefs < 0).any() or (coefs[1:] > coefs[:-1]).any()):
             raise ValueError(
@@ -337,8 +355,8 @@ class BandedNoise(_StreamingNoise):
         given = [n for n, v in (("coefs", coefs), ("matrix", matrix), ("params", params)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of coefs, matrix, params; got {given or 'none'}")
-        if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
-            raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+        if num_steps is not None:
+            num_steps = integer("num_steps", num_steps, low=1)
         self._toeplitz = None
         if coefs is not None:
             v = _vector("coefs", coefs)
@@ -354,9 +372,9 @@ class BandedNoise(_StreamingNoise):
                 j, r = torch.arange(num_steps)[:, None], torch.arange(v.numel())[None, :]
                 p = torch.where(j + r < num_steps, v[None, :].expand(num_steps, -1), 0.0)
         elif matrix is not None:
-            p = self._params_from_matrix(torch.as_tensor(matrix, dtype=torch.float64).detach().cpu())
+            p = self._params_from_matrix(_float64("matrix", matrix))
         else:
-            p = torch.as_tensor(params, dtype=torch.float64).detach().cpu()
+            p = _float64("params", params)
             if p.dim() != 2 or p.numel() == 0:
                 raise ValueError(f"params must be a non-empty n × b matrix, got shape {tuple(p.shape)}")
             if p.shape[1] > p.shape[0]:
@@ -446,7 +464,7 @@ class BandedNoise(_StreamingNoise):
         n = num_steps or self.num_steps
         if n is None:
             raise ValueError("num_steps is required for a banded Toeplitz strategy without num_steps")
-        k = _max_participations(n, min_sep, max_participations)
+        n, min_sep, k = _max_participations(n, min_sep, max_participations)
         if k > 1 and min_sep < self.bands:
             raise ValueError(
                 f"min_sep={min_sep} < bands={self.bands}: participations overlap in C's rows; use "

@@ -20,14 +20,14 @@ coefficients apply. The reference is :func:`dpkernels.reference.filter.linear_fi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _backend
-from .noise import _FLOAT_DTYPES, _check_counter, _signed64, _unsigned64, fresh_seed
+from ._validate import FP32_MAX, real
+from .noise import _FLOAT_DTYPES, _check_counter, _check_std, _signed64, _unsigned64, fresh_seed
 from .reference import filter as ref
 
 #: Buffers per call (csrc/include/dpkernels/filter.h kMaxFilterBuffers).
@@ -101,12 +101,9 @@ def _check_coeffs(K: int, a, c, d, e, f, g) -> list[float]:
     for name, seq in (("c", c), ("d", d), ("e", e), ("f", f)):
         if len(seq) != K:
             raise ValueError(f"{name} must hold one coefficient per state buffer ({K}), got {len(seq)}")
-    flat = [a, g, *c, *d, *e, *f]
-    for i, v in enumerate(flat):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            names = ["a", "g"] + [f"{n}[{k}]" for n in "cdef" for k in range(K)]
-            raise ValueError(f"coefficient {names[i]} must be a finite number, got {v!r}")
-    return [float(v) for v in flat]
+    names = ["a", "g"] + [f"{n}[{k}]" for n in "cdef" for k in range(K)]
+    # The kernels hold every coefficient in fp32: a larger magnitude would be inf there.
+    return [real(name, v, low=-FP32_MAX, high=FP32_MAX) for name, v in zip(names, [a, g, *c, *d, *e, *f], strict=True)]
 
 
 def linear_filter_(
@@ -133,7 +130,8 @@ def linear_filter_(
     Args:
         state: ``K`` lists (one per buffer, ``K <= 32``, may be 0) of ``L`` contiguous float32 tensors;
             ``state[k][l]`` has as many elements as tensor ``l``. Updated in place.
-        c, d, e, f: ``K`` finite coefficients each; ``a``, ``g``: finite scalars.
+        c, d, e, f: ``K`` coefficients each; ``a``, ``g``: scalars. Every coefficient is a real
+            number of magnitude at most the fp32 maximum (the kernels hold them in fp32).
         inputs: ``L`` contiguous fp32/fp16/bf16 tensors ``x``, or ``None`` (then ``x`` is the noise
             alone, or 0).
         out: ``L`` contiguous fp32/fp16/bf16 tensors (the dtype of ``inputs`` if both are given) that
@@ -143,8 +141,8 @@ def linear_filter_(
             at global index ``offset + Σ_{s<l} numel_s + i`` (``seed``/``step`` then required).
 
     ``out`` must not share memory with ``inputs`` or ``state``. Raises ``ValueError``/``TypeError``
-    on mismatched counts, sizes, devices or dtypes, non-contiguous or empty lists, and non-finite
-    coefficients.
+    on mismatched counts, sizes, devices or dtypes, non-contiguous or empty lists, and coefficients
+    that are not finite in fp32.
     """
     if isinstance(state, Tensor) or not isinstance(state, Sequence):
         raise TypeError("state must be a list (one entry per buffer) of lists of tensors")
@@ -190,16 +188,13 @@ def linear_filter_(
     read = {t.untyped_storage().data_ptr() for t in ins + [b for lst in bufs for b in lst] if t.numel()}
     if written & read:
         raise ValueError("out must not share memory with inputs or state")
-    if not isinstance(noise_std, (int, float)) or isinstance(noise_std, bool) or not math.isfinite(noise_std):
-        raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
-    if noise_std < 0:
-        raise ValueError(f"noise_std must be >= 0, got {noise_std}")
+    noise_std = _check_std(noise_std, "noise_std")
     if noise_std > 0:
         if step is None:
             raise ValueError("step is required when noise_std > 0 (it keys the Philox counter)")
         seed = fresh_seed() if seed is None else seed
     seed, step = (0 if seed is None else seed), (0 if step is None else step)
-    _check_counter(seed, step, stream, offset)
+    seed, step, stream, offset = _check_counter(seed, step, stream, offset)
     _linear_filter_op(
         ins, [t for lst in bufs for t in lst], outs, coeffs, bool(accumulate), float(noise_std),
         _signed64(seed), step, stream, offset, _backend.resolve(backend, device),

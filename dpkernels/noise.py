@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
+from ._validate import fp32_scale, integer, real
 from .reference import noise as ref
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,15 +48,18 @@ def _unsigned64(seed: int) -> int:
     return seed % 2**64
 
 
-def _check_counter(seed, step, stream, offset) -> None:
-    for name, value, bits in (
-        ("seed", seed, 64),
-        ("step", step, 32),
-        ("stream", stream, 32),
-        ("offset", offset, 62),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
-            raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
+def _check_counter(seed, step, stream, offset) -> tuple[int, int, int, int]:
+    """``(seed, step, stream, offset)`` as Python ints (any integer type, bools refused), each in its
+    counter field's range; callers use the returned values, so NumPy ints never reach the kernels."""
+    return tuple(
+        integer(name, value, low=0, high=2**bits)
+        for name, value, bits in (
+            ("seed", seed, 64),
+            ("step", step, 32),
+            ("stream", stream, 32),
+            ("offset", offset, 62),
+        )
+    )
 
 
 RNGS = ("philox", "chacha20")
@@ -79,9 +83,12 @@ def chacha20_key(seed) -> int:
         if len(seed) != 32:
             raise ValueError(f"a ChaCha20 key given as bytes must be 32 bytes long, got {len(seed)}")
         return int.from_bytes(seed, "little")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**256:
-        raise ValueError(f"seed must be an integer in [0, 2^256) or 32 bytes for rng='chacha20', got {seed!r}")
-    return seed
+    try:
+        return integer("seed", seed, low=0, high=2**256)
+    except ValueError:
+        raise ValueError(
+            f"seed must be an integer in [0, 2^256) or 32 bytes for rng='chacha20', got {seed!r}"
+        ) from None
 
 
 def _limbs(key: int) -> list[int]:
@@ -93,23 +100,22 @@ def _from_limbs(limbs: list[int]) -> int:
     return sum(_unsigned64(v) << (64 * j) for j, v in enumerate(limbs))
 
 
-def _counter_key(rng: str, seed, step: int, stream: int, offset: int) -> list[int]:
-    """Validate the counter fields and return the schema key: ``[seed]`` or 4 ChaCha20 limbs.
-    ``seed=None`` draws a fresh key of the generator's size from the OS CSPRNG."""
+def _counter_key(rng: str, seed, step, stream, offset) -> tuple[list[int], int, int, int]:
+    """Validate the counter fields: ``(key, step, stream, offset)``, the schema key (``[seed]`` or 4
+    ChaCha20 limbs) and the rest as Python ints. ``seed=None`` draws a fresh key of the generator's
+    size from the OS CSPRNG."""
     _check_rng(rng)
     if rng == "chacha20":
         key = fresh_key() if seed is None else chacha20_key(seed)
-        _check_counter(0, step, stream, offset)
-        return _limbs(key)
-    seed = fresh_seed() if seed is None else seed
-    _check_counter(seed, step, stream, offset)
-    return [_signed64(seed)]
+        _, step, stream, offset = _check_counter(0, step, stream, offset)
+        return _limbs(key), step, stream, offset
+    seed, step, stream, offset = _check_counter(fresh_seed() if seed is None else seed, step, stream, offset)
+    return [_signed64(seed)], step, stream, offset
 
 
-def _check_std(std) -> float:
-    if not isinstance(std, (int, float)) or isinstance(std, bool) or not math.isfinite(std) or std < 0:
-        raise ValueError(f"std must be a finite number >= 0, got {std!r}")
-    return float(std)
+def _check_std(std, name: str = "std") -> float:
+    """A noise standard deviation as a float in [0, NOISE_STD_MAX]: the kernels form ``std·z`` in fp32."""
+    return fp32_scale(name, real(name, std, low=0.0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +157,21 @@ def _reference_normals(numel: int, rng: str, key: list[int], step: int, stream: 
             numel, key=_from_limbs(key), step=step, stream=stream, offset=offset, device=device
         )
     return ref.standard_normal(numel, seed=_unsigned64(key[0]), step=step, stream=stream, offset=offset, device=device)
+
+
+def _chacha20_normals64(numel: int, key: list[int], step: int, stream: int, device, backend: str) -> Tensor:
+    """float64 N(0, 1) of elements ``[0, numel)`` of the ChaCha20 stream (docs/RNG.md §6), for callers
+    that must add the noise in float64 themselves: the backend's keystream words (the expensive
+    part), then the reference's 53-bit uniforms and Box–Muller, so the values are those of
+    :func:`dpkernels.reference.noise.chacha20_standard_normal` on every backend."""
+    blocks = (numel + 7) // 8  # 8 normals per 16-word block
+    words = torch.empty(16 * blocks, dtype=torch.int64, device=device)
+    _words(words, "chacha20", key, step, stream, 0, backend)
+    w = words.view(blocks, 16)
+    u = ref.chacha20_uniform53(w[:, 0::2], w[:, 1::2])
+    r = torch.sqrt(-2.0 * torch.log(u[:, 0::2]))
+    theta = (2.0 * math.pi) * u[:, 1::2]
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=2).flatten()[:numel]
 
 
 def _add_noise(
@@ -238,7 +259,7 @@ def philox_uint32(
 
     For audits and tests: these words are bit-identical on every backend.
     """
-    _check_counter(seed, step, stream, offset)
+    seed, step, stream, offset = _check_counter(seed, step, stream, offset)
     device = torch.device(device)
     return _uint32_op(
         int(numel), "philox", [_signed64(seed)], step, stream, offset, device, _backend.resolve(backend, device)
@@ -253,7 +274,7 @@ def chacha20_uint32(
     ``seed``: the 256-bit key, an int in [0, 2²⁵⁶) or 32 bytes (RFC 8439 byte order). Element ``e``
     takes word ``e % 16`` of block ``e // 16`` (docs/RNG.md §6); bit-identical on every backend.
     """
-    key = _counter_key("chacha20", seed, step, stream, offset)
+    key, step, stream, offset = _counter_key("chacha20", seed, step, stream, offset)
     device = torch.device(device)
     return _uint32_op(int(numel), "chacha20", key, step, stream, offset, device, _backend.resolve(backend, device))
 
@@ -285,7 +306,7 @@ def gaussian_noise(
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
     std = _check_std(std)
-    key = _counter_key(rng, seed, step, stream, offset)
+    key, step, stream, offset = _counter_key(rng, seed, step, stream, offset)
     device = torch.device(device)
     backend = _backend.resolve(backend, device)
     return _gaussian_noise_op(shape, std, rng, key, step, stream, offset, dtype, device, backend)
@@ -312,7 +333,7 @@ def add_gaussian_noise_(
     if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence) or len(tensors) == 0:
         raise TypeError("tensors must be a non-empty list of tensors")
     std = _check_std(std)
-    key = _counter_key(rng, seed, step, stream, offset)
+    key, step, stream, offset = _counter_key(rng, seed, step, stream, offset)
     device = tensors[0].device
     for idx, t in enumerate(tensors):
         if not isinstance(t, Tensor) or t.dtype not in _FLOAT_DTYPES:

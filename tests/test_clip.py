@@ -177,7 +177,8 @@ def test_psac_worked_values(backend_device):
     for col, (mode, r) in enumerate([("psac", 0.1), ("auto_s", 0.1), ("psac", 0.01), ("auto_s", 0.01)], start=1):
         want = torch.tensor([row[col] for row in PSAC_TABLE])
         got = dpkernels.clip_factors(n, 1.0, mode=mode, r=r, backend=backend).cpu()
-        torch.testing.assert_close(got, want, rtol=0, atol=6e-7, msg=f"{mode} r={r}")
+        # The table is rounded to 6 decimals; an fp32 weight is rounded toward zero (< 1 ulp).
+        torch.testing.assert_close(got, want, rtol=2.0**-23, atol=6e-7, msg=f"{mode} r={r}")
     # Peak of the PSAC weight at n = sqrt(r) - r is 1 / (2 sqrt(r) - r).
     for r in (0.1, 0.01):
         peak = torch.tensor([math.sqrt(r) - r], device=device)
@@ -233,6 +234,77 @@ def test_nonfinite_raise_and_drop(backend_device, bad_value):
         w = w[:, None].expand(-1, len(g)) if w.dim() == 1 else w
         assert_sums_close(sums, [kept], [1.0], w, torch.float32)
         assert torch.isfinite(norms[keep]).all() and not torch.isfinite(norms[[2, 4]].reshape(2, -1).sum(1)).any()
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_stages_refuse_nonfinite_samples(backend_device, bad_value):
+    """The three stages called one by one raise as the fused pipeline does, naming the samples,
+    instead of returning a NaN sum: clip_factors on a NaN/Inf norm, weighted_sum on a NaN/Inf
+    gradient with a nonzero weight or on a non-finite weight, or a sum that overflows fp32."""
+    backend, device = backend_device
+    g = make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device)
+    g[1][4, 0] = bad_value
+    g[3][2, 17] = bad_value
+    norms = dpkernels.per_sample_norms(g, backend=backend)
+    assert torch.isfinite(norms).tolist() == [True, True, False, True, False, True]
+    for n in (norms, dpkernels.per_sample_norms(g, per_layer=True, backend=backend)):
+        with pytest.raises(ValueError, match=r"non-finite norm for 2 sample\(s\) at batch indices \[2, 4\]"):
+            dpkernels.clip_factors(n, 1.0, backend=backend)
+    w = torch.rand(6, device=device) + 0.5
+    with pytest.raises(ValueError, match=r"gradient with a nonzero weight for 2 sample\(s\) at batch indices \[2, 4\]"):
+        dpkernels.weighted_sum(g, w, backend=backend)
+    # Per tensor: sample 4 is non-finite only in tensor 1, where its weight is 0.
+    w2 = torch.rand(6, len(g), device=device) + 0.5
+    w2[4, 1] = 0.0
+    with pytest.raises(ValueError, match=r"gradient with a nonzero weight for 1 sample\(s\) at batch indices \[2\]"):
+        dpkernels.weighted_sum(g, w2, backend=backend)
+    # Weight 0 skips a non-finite sample: the sum is that of the others.
+    w[[2, 4]] = 0.0
+    assert_sums_close(dpkernels.weighted_sum(g, w, backend=backend), [g], [1.0], w[:, None].expand(-1, len(g)),
+                      torch.float32)  # fmt: skip
+    finite = make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device)
+    for bad_w in (float("nan"), float("inf"), 1e39):
+        w = torch.ones(6, dtype=torch.float64, device=device)
+        w[1] = bad_w
+        with pytest.raises(ValueError, match=r"non-finite weight \(NaN, Inf or beyond the torch.float32 range\) "
+                                             r"for 1 sample\(s\) at batch indices \[1\]"):  # fmt: skip
+            dpkernels.weighted_sum(finite, w, backend=backend)
+    with pytest.raises(ValueError, match=r"overflows torch.float32 in tensor\(s\) \[0\]"):
+        dpkernels.weighted_sum([torch.full((2, 3), 3e38, device=device)], torch.ones(2, device=device), backend=backend)
+
+
+def test_zero_dim_parameters(backend_device):
+    """A 0-d parameter's per-sample gradient is ``[B]``: every op treats it as one element, on every
+    backend, and equals the reference on the same data given as ``[B, 1]`` (reshaped back)."""
+    backend, device = backend_device
+    B, shapes = 5, [(), (4,), (), (2, 3)]
+    g = make_grads(shapes, B, torch.float32, device)
+    g2 = make_grads(shapes, B, torch.float32, device)
+    rows = [x.reshape(B, 1) if x.dim() == 1 else x for x in g]
+    rows2 = [x.reshape(B, 1) if x.dim() == 1 else x for x in g2]
+
+    def close(got, want):
+        for a, b, shape in zip(got, want, shapes, strict=True):
+            assert a.shape == shape and torch.isfinite(a).all()
+            torch.testing.assert_close(a.cpu(), b.reshape(shape), rtol=1e-5, atol=1e-6)
+        assert any(a.abs().sum() > 0 for a in got)
+
+    for per_layer in (False, True):
+        got = dpkernels.per_sample_norms(g, per_layer=per_layer, backend=backend)
+        want = dpkernels.per_sample_norms(rows, per_layer=per_layer, backend="reference")
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=0)
+        C = [0.5, 1.0, 2.0, 0.7] if per_layer else 0.9
+        sums, norms = dpkernels.clip_and_accumulate(g, C, per_layer=per_layer, backend=backend)
+        want_sums, want_norms = dpkernels.clip_and_accumulate(rows, C, per_layer=per_layer, backend="reference")
+        close(sums, want_sums)
+        torch.testing.assert_close(norms.cpu(), want_norms, rtol=2e-6, atol=0)
+    sums, _ = dpkernels.clip_and_accumulate([g, g2], 0.9, coeffs=[0.7, 0.3], backend=backend)
+    close(sums, dpkernels.clip_and_accumulate([rows, rows2], 0.9, coeffs=[0.7, 0.3], backend="reference")[0])
+    w = torch.rand(B, device=device)
+    close(dpkernels.weighted_sum(g, w, backend=backend), dpkernels.weighted_sum(rows, w.cpu(), backend="reference"))
+    kw = dict(seed=3, step=1, expected_batch_size=B)
+    want = dpkernels.privatize(rows, 0.9, 0.5, backend="reference", **kw)
+    close(dpkernels.privatize(g, 0.9, 0.5, backend=backend, **kw), want)
 
 
 def test_noncontiguous_inputs(backend_device):
@@ -515,7 +587,11 @@ def test_cpu_result_independent_of_thread_count():
             ValueError,
             "coeffs has 1",
         ),
-        (lambda: ([torch.randn(3, 4)], 1.0, {"coeffs": [float("nan")]}), ValueError, "coeffs must be finite"),
+        (
+            lambda: ([torch.randn(3, 4)], 1.0, {"coeffs": [float("nan")]}),
+            ValueError,
+            "coeffs\\[0\\] must be a finite number",
+        ),
         (
             lambda: ([torch.randn(3, 4).double()], 1.0, {"backend": "cpu"}),
             TypeError,
@@ -552,6 +628,57 @@ def test_weighted_sum_and_clip_factors_errors():
         dpkernels.clip_factors(torch.ones(2, 2, 2), 1.0)
     with pytest.raises(ValueError, match="max_grad_norm has 2 entries for 3"):
         dpkernels.clip_factors(torch.ones(4, 3), [1.0, 2.0])
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _stage_calls(g, coeffs, backend):
+    """Each public op on the ``k`` gradient sets ``g`` with ``coeffs``."""
+    kw = dict(coeffs=coeffs, backend=backend)
+    B = g[0][0].shape[0]
+    return {
+        "clip_and_accumulate": lambda: dpkernels.clip_and_accumulate(g, 1.0, **kw)[0],
+        "privatize": lambda: dpkernels.privatize(g, 1.0, 0.5, seed=1, step=0, expected_batch_size=B, **kw),
+        "per_sample_norms": lambda: [dpkernels.per_sample_norms(g, **kw)],
+        "weighted_sum": lambda: dpkernels.weighted_sum(g, torch.full((B,), 0.5, device=g[0][0].device), **kw),
+    }
+
+
+@pytest.mark.parametrize("op", ["clip_and_accumulate", "privatize", "per_sample_norms", "weighted_sum"])
+def test_coefficient_beyond_fp32_is_refused(backend_device, op):
+    """A coefficient α_j above the fp32 maximum in magnitude (inf in the fp32 kernels) gets one
+    ValueError naming it, on every backend, before any kernel runs; the maximum itself works."""
+    backend, device = backend_device
+    g = [[torch.randn(3, 4, device=device)], [torch.randn(3, 4, device=device) * 1e-38]]
+    for bad in (1e39, -1e39, float("inf")):
+        with pytest.raises(ValueError, match=r"coeffs\[1\] must be a finite number in \[-3.40\d*e\+38, 3.40\d*e\+38\]"):
+            _stage_calls(g, [0.5, bad], backend)[op]()
+    got = _stage_calls(g, [0.5, -FP32_MAX], backend)[op]()
+    want = _stage_calls([[x.cpu() for x in gs] for gs in g], [0.5, -FP32_MAX], "reference")[op]()
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all() and (a != 0).any()
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", dpkernels.BACKENDS)
+def test_explicit_backend_on_meta_tensors(backend):
+    """Every explicit backend refuses meta tensors with one message; backend="auto" gives the output
+    shapes from the ops' fake kernels (reference's registered ops, dispatched by device)."""
+    g = [torch.empty(3, 4, device="meta"), torch.empty(3, device="meta")]
+    calls = {
+        "clip_and_accumulate": lambda b: dpkernels.clip_and_accumulate(g, 1.0, backend=b)[0],
+        "privatize": lambda b: dpkernels.privatize(g, 1.0, 0.5, seed=1, step=0, expected_batch_size=3, backend=b),
+        "per_sample_norms": lambda b: [dpkernels.per_sample_norms(g, backend=b)],
+        "weighted_sum": lambda b: dpkernels.weighted_sum(g, torch.empty(3, device="meta"), backend=b),
+        "clip_factors": lambda b: [dpkernels.clip_factors(torch.empty(3, device="meta"), 1.0, backend=b)],
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run on meta tensors.*backend='auto'"):
+            call(backend)
+        out = call("auto")
+        assert all(t.is_meta for t in out), name
+        assert [tuple(t.shape) for t in out] == ([(4,), ()] if len(out) == 2 else [(3,)]), name
 
 
 def test_native_ops_reject_bad_layouts():

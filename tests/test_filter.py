@@ -11,6 +11,8 @@ from dpkernels.correlated import BandedNoise, BLTNoise
 from dpkernels.filter import linear_filter_
 from dpkernels.reference.filter import linear_filter as ref_filter
 
+FP32_MAX = torch.finfo(torch.float32).max
+
 # Coefficient configs: (name, a, g, c, d, e, f).
 CONFIGS = [
     ("k0-scale", 1.5, 0.5, [], [], [], []),
@@ -152,6 +154,37 @@ def test_validation():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="is on"):
             linear_filter_([[torch.zeros(4), torch.zeros(3, device="cuda")]], **co, inputs=x)
+
+
+@pytest.mark.parametrize("name", ["a", "g", "c", "d", "e", "f"])
+def test_coefficient_beyond_fp32_is_refused(backend_device, name):
+    """A coefficient above the fp32 maximum in magnitude (inf in the fp32 kernels) is refused,
+    naming it, on every backend; the maximum itself is a valid coefficient."""
+    backend, device = backend_device
+    x = [torch.ones(4, device=device)]
+    co = dict(a=1.0, g=1.0, c=[0.0, 0.0], d=[1.0, 0.0], e=[0.0, 1.0], f=[0.0, 0.0])
+    for bad in (1e39, -1e39):
+        kw = dict(co, **({name: bad} if name in "ag" else {name: [co[name][0], bad]}))
+        s = [[torch.zeros(4, device=device)], [torch.zeros(4, device=device)]]
+        label = name if name in "ag" else f"{name}\\[1\\]"
+        with pytest.raises(ValueError, match=rf"^{label} must be a finite number in \[-3.40\d*e\+38, 3.40\d*e\+38\]"):
+            linear_filter_(s, **kw, inputs=x, backend=backend)
+        assert s[1][0].tolist() == [0.0] * 4  # refused before any kernel ran
+    # a = -FP32_MAX with x = 1: y = -FP32_MAX, written to buffer 1 (e_1 = 1).
+    s = [[torch.zeros(4, device=device)], [torch.zeros(4, device=device)]]
+    linear_filter_(s, **dict(co, a=-FP32_MAX), inputs=x, backend=backend)
+    assert s[1][0].cpu().tolist() == [-FP32_MAX] * 4
+
+
+@pytest.mark.parametrize("backend", dpkernels.BACKENDS)
+def test_explicit_backend_on_meta_tensors(backend):
+    """An explicit backend refuses meta tensors with one message; backend="auto" runs the fake
+    kernel (nothing to compute, nothing raised)."""
+    s = [[torch.empty(4, device="meta")]]
+    kw = dict(c=[0.5], d=[1.0], e=[1.0], f=[0.0], inputs=[torch.empty(4, device="meta")])
+    with pytest.raises(RuntimeError, match=f"backend '{backend}' cannot run on meta tensors"):
+        linear_filter_(s, **kw, backend=backend)
+    linear_filter_(s, **kw, backend="auto")
 
 
 def test_native_op_validates():

@@ -78,7 +78,7 @@ _VEC_BYTES = 16
 _MODE_IDS = {"clip": 0, "auto_s": 1, "auto_v": 2, "psac": 3}
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-# Mirrors dpkernels/reference/clip.py; the kernel materialises them in the norms' dtype with
+# Mirrors dpkernels/reference/clip.py; the kernel materialises them in fp64 with
 # tl.full, because a bare float literal is rounded to fp32 in comparisons and selects.
 CLIP_EPS = tl.constexpr(1e-6)
 AUTO_V_MIN_NORM = tl.constexpr(1e-12)
@@ -192,45 +192,47 @@ def _segment_sum_kernel(partial_ptr, n_cols, seg_first, seg_count, out_ptr, L, B
 
 
 @triton.jit
-def _div_rn(a, b):
-    # IEEE round-to-nearest division, as torch and the C++ kernels do: Triton's fp32 `/` lowers
-    # to div.full.f32 (up to 2 ulp off), which could push c·n a hair above C. fp64 `/` is
-    # already div.rn.f64.
-    if a.dtype == tl.float32:
-        a, b = tl.broadcast(a, b)
-        return tl.div_rn(a, b)
-    else:
-        return a / b
+def _round_weights(w):
+    """fp64 weights as fp32 rounded toward zero, saturating at the fp32 maximum (NaN stays NaN):
+    the rule of ``round_weights`` in dpkernels/reference/clip.py, which says why."""
+    f = w.to(tl.float32)
+    up = (tl.abs(f.to(tl.float64)) > tl.abs(w)) | (tl.abs(w) == float("inf"))
+    # One step toward zero from a nonzero float: its bit pattern minus one (sign-magnitude).
+    return tl.where(up, (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), f)
 
 
 @triton.jit
 def _clip_factors_kernel(norms_ptr, params_ptr, out_ptr, N, L_C, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[e] = f(norms[e])`` elementwise in the dtype of ``norms`` (fp32 or fp64).
+    """``out[e] = f(norms[e])`` elementwise, evaluated in fp64 whatever the dtype of ``norms``.
 
-    ``params_ptr`` (same dtype): ``[r, C_0, .., C_{L_C-1}]``; element ``e`` uses ``C_{e mod L_C}``
-    (``L_C = 1`` for one threshold, ``L`` for per-layer thresholds on ``[B, L]`` norms).
-    ``MODE``: 0 clip ``min(1, C/(n + 1e-6))``, 1 auto_s ``C/(n + r)``, 2 auto_v
-    ``C/max(n, 1e-12)``, 3 psac ``C/(n + r/(n + r))``. A NaN norm gives a NaN weight in every
-    mode (the selects below pass NaN through, like torch.clamp).
+    ``params_ptr``: ``[r, C_0, .., C_{L_C-1}]`` (fp64, so that ``C`` is not rounded to fp32);
+    element ``e`` uses ``C_{e mod L_C}`` (``L_C = 1`` for one threshold, ``L`` for per-layer
+    thresholds on ``[B, L]`` norms). ``MODE``: 0 clip ``min(1, C/(n + 1e-6))``, 1 auto_s
+    ``C/(n + r)``, 2 auto_v ``C/max(n, 1e-12)``, 3 psac ``C/(n + r/(n + r))``. An fp32 ``out`` gets
+    the weight rounded toward zero (:func:`_round_weights`). A NaN norm gives a NaN weight in
+    every mode (the selects below pass NaN through, like torch.clamp). fp64 ``/`` is IEEE
+    division (div.rn.f64), as in torch and the C++ kernels.
     """
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    n = tl.load(norms_ptr + offs, mask=mask, other=1.0)
-    dt: tl.constexpr = n.dtype
-    C = tl.load(params_ptr + 1 + offs % L_C, mask=mask, other=1.0)
-    r = tl.load(params_ptr)
+    n = tl.load(norms_ptr + offs, mask=mask, other=1.0).to(tl.float64)
+    C = tl.load(params_ptr + 1 + offs % L_C, mask=mask, other=1.0).to(tl.float64)
+    r = tl.load(params_ptr).to(tl.float64)
     if MODE == 0:
-        w = _div_rn(C, n + tl.full([], CLIP_EPS, dt))
-        w = tl.where(w > 1, tl.full([], 1.0, dt), w)
+        w = C / (n + tl.full([], CLIP_EPS, tl.float64))
+        w = tl.where(w > 1, tl.full([], 1.0, tl.float64), w)
     elif MODE == 1:
-        w = _div_rn(C, n + r)
+        w = C / (n + r)
     elif MODE == 2:
-        floor = tl.full([], AUTO_V_MIN_NORM, dt)
-        w = _div_rn(C, tl.where(n < floor, floor, n))
+        floor = tl.full([], AUTO_V_MIN_NORM, tl.float64)
+        w = C / tl.where(n < floor, floor, n)
     else:
-        w = _div_rn(C, n + _div_rn(r, n + r))
-    tl.store(out_ptr + offs, w, mask=mask)
+        w = C / (n + r / (n + r))
+    if out_ptr.dtype.element_ty == tl.float32:
+        tl.store(out_ptr + offs, _round_weights(w), mask=mask)
+    else:
+        tl.store(out_ptr + offs, w, mask=mask)
 
 
 @triton.jit
@@ -563,7 +565,8 @@ def per_sample_sumsq(
 def clip_factors(
     norms: torch.Tensor, max_grad_norm: float | Sequence[float], mode: str = "clip", r: float = 0.0
 ) -> torch.Tensor:
-    """Per-sample weights ``c = f(n)``, same shape and dtype (fp32 or fp64) as ``norms``.
+    """Per-sample weights ``c = f(n)``, same shape and dtype (fp32 or fp64) as ``norms``: evaluated
+    in fp64, an fp32 result rounded toward zero (the reference's rule).
 
     - ``clip``:   ``min(1, C / (n + 1e-6))``   DP-SGD (Abadi et al.), Opacus's guard
     - ``auto_s``: ``C / (n + r)``              Auto-S / NSGD (Bu et al.; Yang et al.)
@@ -571,8 +574,7 @@ def clip_factors(
     - ``psac``:   ``C / (n + r / (n + r))``    DP-PSAC (Xia et al., AAAI-23)
 
     ``norms`` is ``[B]`` or ``[B, L]``; ``max_grad_norm`` is one float, or ``L`` floats (one per
-    column of ``[B, L]`` norms). All constants are used in the dtype of ``norms``, as the
-    reference does. NaN norms give NaN weights.
+    column of ``[B, L]`` norms). NaN norms give NaN weights.
     """
     if mode not in _MODE_IDS:
         raise ValueError(f"unknown clip mode {mode!r}; expected one of {tuple(_MODE_IDS)}")
@@ -588,7 +590,7 @@ def clip_factors(
     N = norms.numel()
     if N == 0:
         return out
-    params = torch.tensor([float(r), *Cs], dtype=norms.dtype, device=norms.device)
+    params = torch.tensor([float(r), *Cs], dtype=torch.float64, device=norms.device)
     with _device_guard(norms.device):
         _clip_factors_kernel[(triton.cdiv(N, CLIP_BLOCK),)](
             norms, params, out, N, len(Cs), MODE=_MODE_IDS[mode], BLOCK=CLIP_BLOCK

@@ -79,6 +79,17 @@ inline std::pair<fVec, fVec> combined_step(const scalar_t* const* rows, const do
   return {v0, v1};
 }
 
+// One element of Σ_j α_j g_j with the vector path's roundings: α_0·g_0, then one fused
+// multiply-add per further set. The sum pass combines with the same function (and combined_step),
+// so the vector whose norm bounds a sample is exactly the vector that is added.
+template <typename scalar_t>
+inline float combined_elem(const scalar_t* const* rows, const double* alpha, int64_t k, int64_t e) {
+  float v = static_cast<float>(alpha[0]) * static_cast<float>(rows[0][e]);
+  for (int64_t j = 1; j < k; ++j)
+    v = std::fma(static_cast<float>(alpha[j]), static_cast<float>(rows[j][e]), v);
+  return v;
+}
+
 // Scalar path with every square taken in fp64: the semantics of the op, used for the tail and
 // whenever the fast path's fp32 squares overflow (elements beyond ~1.8e19).
 template <typename scalar_t, bool kShift, bool kScale>
@@ -86,8 +97,7 @@ double sumsq_exact(const scalar_t* const* rows, const double* alpha, int64_t k, 
                    const float* scale, int64_t begin, int64_t end) {
   double total = 0.0;
   for (int64_t e = begin; e < end; ++e) {
-    float v = static_cast<float>(alpha[0]) * static_cast<float>(rows[0][e]);
-    for (int64_t j = 1; j < k; ++j) v += static_cast<float>(alpha[j]) * static_cast<float>(rows[j][e]);
+    float v = combined_elem(rows, alpha, k, e);
     v = shift_scale<kShift, kScale>(v, kShift ? shift[e] : 0.f, kScale ? scale[e] : 1.f);
     total += static_cast<double>(v) * v;
   }
@@ -277,6 +287,33 @@ void axpy_rows(float* acc, const scalar_t* const* rows, const float* c, int64_t 
   }
 }
 
+// acc[0:n) += w_i · v_i for every sample with w_i != 0, where v_i = Σ_j α_j g_j[i] is formed first,
+// with the norm pass's roundings (combined_step, combined_elem). Folding w_i into the coefficients
+// (acc += (w_i α_j) g_j) would round w_i α_j, which can double a subnormal product, and would
+// recombine the sets with other roundings than those of the norm that bounds v_i: under
+// cancellation between sets, the added vector could be far longer than the clipped one.
+template <typename scalar_t>
+void weighted_sum_combined(float* acc, const scalar_t* const* bases, int64_t numel, int64_t B, int64_t k,
+                           const double* alpha, const float* w, int64_t w_stride, int64_t begin, int64_t n) {
+  alignas(64) float v[kSumChunk];
+  const float* vrow[1] = {v};
+  std::vector<const scalar_t*> rows(k);
+  for (int64_t i = 0; i < B; ++i) {
+    const float wi = w[i * w_stride];
+    if (wi == 0.f) continue;  // skipped, not multiplied (as below)
+    for (int64_t j = 0; j < k; ++j) rows[j] = bases[j] + i * numel + begin;
+    int64_t e = 0;
+    for (; e + kStep <= n; e += kStep) {
+      const auto [v0, v1] =
+          combined_step<scalar_t, false, false, false>(rows.data(), alpha, k, nullptr, nullptr, e);
+      v0.store(v + e);
+      v1.store(v + e + fVec::size());
+    }
+    for (; e < n; ++e) v[e] = combined_elem(rows.data(), alpha, k, e);
+    axpy_rows<1>(acc, vrow, &wi, n);
+  }
+}
+
 template <typename scalar_t>
 void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, int64_t k,
                         const double* alpha, const float* w, int64_t w_stride, float* out, int64_t l,
@@ -284,6 +321,11 @@ void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, 
   alignas(64) float acc[kSumChunk];
   const int64_t n = end - begin;
   std::fill(acc, acc + n, 0.f);
+  if (k != 1 || alpha[0] != 1.0) {
+    weighted_sum_combined(acc, bases, numel, B, k, alpha, w, w_stride, begin, n);
+    ep.finish(l, begin, n, acc, out);
+    return;
+  }
   // Eight rows per sweep of the accumulator: measured 4-6% faster than four on every bench
   // shape (B = 8 to 64), from fewer accumulator loads/stores and more loads in flight.
   constexpr int kRows = 8;
@@ -294,13 +336,11 @@ void weighted_sum_range(const scalar_t* const* bases, int64_t numel, int64_t B, 
     const float wi = w[i * w_stride];
     // Skipped, not multiplied: a dropped sample may hold NaN/Inf, and 0 * NaN is NaN.
     if (wi == 0.f) continue;
-    for (int64_t j = 0; j < k; ++j) {
-      rows[m] = bases[j] + i * numel + begin;
-      c[m] = wi * static_cast<float>(alpha[j]);
-      if (++m == kRows) {
-        axpy_rows<kRows>(acc, rows, c, n);
-        m = 0;
-      }
+    rows[m] = bases[0] + i * numel + begin;
+    c[m] = wi;
+    if (++m == kRows) {
+      axpy_rows<kRows>(acc, rows, c, n);
+      m = 0;
     }
   }
   // The last m < 8 rows, in sweeps of 4, 2 and 1.

@@ -400,26 +400,22 @@ __device__ __forceinline__ int compact_nonzero(const float* __restrict__ weights
   return total;
 }
 
-// acc += Σ_u c_u g_{j_u}[i0 + row[m_u], start + this thread's offsets] over the next U (sample, set)
-// pairs (m_u, j_u) of the compacted list in (sample, set) order, with c_u = w[m_u] α_{j_u}; advances
-// (m, j) past them. This is the order and rounding of the CPU kernel's FMA loop, so the two backends
-// agree bitwise there. All U rows are loaded before the first is used: U loads per thread in flight.
+// acc += Σ_u w[m_u] g[i0 + row[m_u], start + this thread's offsets] over the next U samples m_u of
+// the compacted list (one gradient set with coefficient 1); advances m past them. This is the order
+// and rounding of the CPU kernel's FMA loop, so the two backends agree bitwise there. All U rows
+// are loaded before the first is used: U loads per thread in flight.
 template <typename T, bool kVec, int U>
 __device__ __forceinline__ void wsum_rows(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
-                                          int len, int64_t i0, const int* row, const float* w, int& m, int& j,
+                                          int len, int64_t i0, const int* row, const float* w, int& m,
                                           float (&acc)[ilp(sizeof(T))]) {
   constexpr int N = ilp(sizeof(T));
   constexpr int kStride = kVec ? 1 : kWsumThreads;
   const T* p[U];
   float c[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    p[u] = grad_row<T>(tab, s, j, (i0 + row[m]) * n + start);
-    c[u] = w[m] * tab.alpha[j];
-    if (++j == tab.k) {
-      j = 0;
-      ++m;
-    }
+  for (int u = 0; u < U; ++u, ++m) {
+    p[u] = grad_row<T>(tab, s, 0, (i0 + row[m]) * n + start);
+    c[u] = w[m];
   }
   float x[U][N];
 #pragma unroll
@@ -431,17 +427,51 @@ __device__ __forceinline__ void wsum_rows(const SlotTable& tab, int s, int64_t n
   }
 }
 
+// acc += w[m] · v_m for m < count, with v_m = Σ_j α_j g_j[i0 + row[m], ...] formed first with the
+// norm pass's roundings (α_0·g_0, then one fmaf per set): folding w[m] into the coefficients would
+// round w[m]·α_j (doubling a subnormal product) and recombine the sets differently from the norm
+// that bounds v_m, so under cancellation the added vector could exceed the clip bound. The CPU
+// kernel's weighted_sum_combined, with the same roundings.
+template <typename T, bool kVec>
+__device__ __forceinline__ void wsum_combined(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
+                                              int len, int64_t i0, const int* row, const float* w, int count,
+                                              float (&acc)[ilp(sizeof(T))]) {
+  constexpr int N = ilp(sizeof(T));
+  constexpr int kStride = kVec ? 1 : kWsumThreads;
+#pragma unroll 1
+  for (int m = 0; m < count; ++m) {
+    const int64_t off = (i0 + row[m]) * n + start;
+    float v[N];
+    load_elems<N, kVec, kStride>(grad_row<T>(tab, s, 0, off), col, len, v);
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] *= tab.alpha[0];
+#pragma unroll 1
+    for (int j = 1; j < tab.k; ++j) {
+      float x[N];
+      load_elems<N, kVec, kStride>(grad_row<T>(tab, s, j, off), col, len, x);
+      const float aj = tab.alpha[j];
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] = fmaf(aj, x[e], v[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[e] = fmaf(w[m], v[e], acc[e]);
+  }
+}
+
 // acc += Σ_{m < count} w[m] Σ_j α_j g_j[i0 + row[m], ...], U rows at a time.
 template <typename T, bool kVec>
 __device__ __forceinline__ void wsum_tile(const SlotTable& tab, int s, int64_t n, int64_t start, int col,
                                           int len, int64_t i0, const int* row, const float* w, int count,
                                           float (&acc)[ilp(sizeof(T))]) {
+  if (tab.k != 1 || tab.alpha[0] != 1.f) {
+    wsum_combined<T, kVec>(tab, s, n, start, col, len, i0, row, w, count, acc);
+    return;
+  }
   // The scalar path issues N loads per row; fewer rows keep it within the same registers.
   constexpr int U = kVec ? kWsumRows : kWsumRows / 2;
-  const int rows = count * tab.k;
-  int r = 0, m = 0, j = 0;
-  for (; r + U <= rows; r += U) wsum_rows<T, kVec, U>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
-  for (; r < rows; ++r) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, j, acc);
+  int m = 0;
+  while (m + U <= count) wsum_rows<T, kVec, U>(tab, s, n, start, col, len, i0, row, w, m, acc);
+  while (m < count) wsum_rows<T, kVec, 1>(tab, s, n, start, col, len, i0, row, w, m, acc);
 }
 
 // z(g): the standard normal of global element g alone. Its block's Philox words, then Box-Muller on

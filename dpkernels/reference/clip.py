@@ -20,6 +20,7 @@ exact to fp32 rounding and cannot overflow for any finite gradient.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -48,11 +49,18 @@ def combine(grad_sets: Sequence[Sequence[torch.Tensor]], coeffs: Sequence[float]
     dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
     out = []
     for per_set in zip(*grad_sets, strict=True):
-        acc = torch.zeros_like(per_set[0], dtype=dtype).flatten(1)
+        acc = torch.zeros(_rows(per_set[0]), dtype=dtype, device=per_set[0].device)
         for alpha, g in zip(coeffs, per_set, strict=True):
-            acc = acc + alpha * g.to(dtype).flatten(1)
+            acc = acc + alpha * g.to(dtype).reshape(acc.shape)
         out.append(acc)
     return out
+
+
+def _rows(g: torch.Tensor) -> tuple[int, int]:
+    """``[B, n]`` for a per-sample gradient ``[B, *param_shape]``: ``n = 1`` for a 0-d parameter
+    (``g`` is ``[B]``, where ``flatten(1)`` fails), and explicit for ``B = 0`` (where ``-1`` is
+    ambiguous)."""
+    return g.shape[0], math.prod(g.shape[1:])
 
 
 def per_sample_sumsq(
@@ -89,7 +97,7 @@ def per_sample_norms(
 def clip_factors(
     norms: torch.Tensor, max_grad_norm: float | Sequence[float], mode: str = "clip", r: float = 0.0
 ) -> torch.Tensor:
-    """Per-sample weights ``c = f(n)``, in the dtype of ``norms``.
+    """Per-sample weights ``c = f(n)``: fp64 for fp64 ``norms``, fp32 for fp32 ``norms``.
 
     - ``clip``:   ``min(1, C / (n + 1e-6))``           DP-SGD (Abadi et al.), Opacus's guard
     - ``auto_s``: ``C / (n + r)``                      Auto-S / NSGD (Bu et al.; Yang et al.)
@@ -98,21 +106,53 @@ def clip_factors(
       denominator is ≥ 2√r − r > 0, so no guard is needed even at n = 0)
 
     ``max_grad_norm`` broadcasts against ``norms`` (a scalar, or ``[L]`` for per-layer norms).
-    Every mode keeps ``c · n ≤ C``.
+    Every mode has ``c · n ≤ C`` in exact arithmetic. ``f`` is evaluated in fp64 (``C`` and ``r``
+    as given, not rounded to fp32), where it keeps ``ĉ · n ≤ C · (1 + 2^-50)`` (at most four
+    roundings, psac); an fp32 result is then rounded toward zero (:func:`round_weights`), so it
+    never exceeds the fp64 value.
+
+    The privacy bound this gives, for a sample whose norm ``n̂`` is computed from its gradient
+    ``g`` (one set with coefficient 1, no shift/scale; ``D`` elements, per tensor with
+    ``per_layer``) and whose contribution ``c · g`` is formed in fp32 (each element rounded to
+    nearest: relative error ≤ 2^-24, or absolute ≤ 2^-150 where the product is subnormal), on
+    every backend::
+
+        ‖fl(c · g)‖₂ ≤ C · (1 + 2^-21) + √D · 2^-150        for D ≤ 2^30
+
+    from ``(1 + 2^-24)`` for the products, ``‖g‖ / n̂ ≤ 1 + 4·2^-24 + D·2^-54`` (the cpu kernel
+    sums squares in fp32 lanes of 8 terms before widening to fp64; the other backends sum in fp64),
+    one more ``2^-24`` for a norm rounded to fp32 (the three-stage path) and ``2^-50`` for ``f``.
+    The absolute term matters only for ``C`` near the fp32 subnormal range (``√D · 7e-46``).
     """
-    n = norms
-    C = torch.as_tensor(max_grad_norm, dtype=n.dtype, device=n.device)
+    n = norms.double()
+    C = torch.as_tensor(max_grad_norm, dtype=torch.float64, device=n.device)
     if C.numel() == 1:
         C = C.reshape(())
     if mode == "clip":
-        return torch.clamp(C / (n + CLIP_EPS), max=1.0)
-    if mode == "auto_s":
-        return C / (n + r)
-    if mode == "auto_v":
-        return C / torch.clamp(n, min=AUTO_V_MIN_NORM)
-    if mode == "psac":
-        return C / (n + r / (n + r))
-    raise ValueError(f"unknown clip mode {mode!r}; expected one of {CLIP_MODES}")
+        w = torch.clamp(C / (n + CLIP_EPS), max=1.0)
+    elif mode == "auto_s":
+        w = C / (n + r)
+    elif mode == "auto_v":
+        w = C / torch.clamp(n, min=AUTO_V_MIN_NORM)
+    elif mode == "psac":
+        w = C / (n + r / (n + r))
+    else:
+        raise ValueError(f"unknown clip mode {mode!r}; expected one of {CLIP_MODES}")
+    return w if norms.dtype == torch.float64 else round_weights(w)
+
+
+def round_weights(w: torch.Tensor) -> torch.Tensor:
+    """fp64 weights as fp32, rounded toward zero (``|result| ≤ |w|``) and saturating at the fp32
+    maximum; NaN stays NaN.
+
+    Why not to nearest: a weight in the fp32 subnormal range has few significant bits, so rounding
+    up can nearly double it (``0.54 · 2^-149`` becomes ``2^-149``) and break ``c · n ≤ C``. An
+    infinite weight (``C / r`` overflowing fp64 for a tiny ``r``) stands for a finite value beyond
+    the fp32 range. The C++ twin is ``round_weight`` in csrc/include/dpkernels/clip_math.h.
+    """
+    f = w.float()
+    up = (f.double().abs() > w.abs()) | w.isinf()
+    return torch.where(up, torch.nextafter(f, torch.zeros_like(f)), f)
 
 
 def weighted_sum(
@@ -168,7 +208,8 @@ def clip_weights(
     if w.dim() == 1:
         w = w[:, None].expand(-1, sumsq.shape[1])
     out_dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
-    return w.to(out_dtype).contiguous(), norms64.to(out_dtype)
+    w = w if out_dtype == torch.float64 else round_weights(w)
+    return w.contiguous(), norms64.to(out_dtype)
 
 
 def clip_and_accumulate(grad_sets, max_grad_norm, coeffs=(1.0,), mode="clip", r=0.0, shift=None, scale=None,
@@ -225,12 +266,15 @@ def privatized_sum_chacha20(
     ]
 
 
-def check_nonfinite(bad: torch.Tensor, policy: str) -> None:
-    """Raise (policy ``raise``) if any sample is non-finite, naming the sample indices."""
+def check_nonfinite(
+    bad: torch.Tensor,
+    policy: str,
+    what: str = "per-sample gradient",
+    remedy: str = "pass nonfinite='drop' to give those samples weight 0 instead",
+) -> None:
+    """Raise (policy ``raise``) if any sample is non-finite, naming the sample indices: ``bad`` is
+    a bool ``[B]``, ``what`` the non-finite quantity and ``remedy`` what the caller can do."""
     if policy == "raise" and bool(bad.any()):
         idx = torch.nonzero(bad).flatten().tolist()
         shown = ", ".join(map(str, idx[:20])) + (", ..." if len(idx) > 20 else "")
-        raise ValueError(
-            f"non-finite per-sample gradient for {len(idx)} sample(s) at batch indices [{shown}]; "
-            "pass nonfinite='drop' to give those samples weight 0 instead"
-        )
+        raise ValueError(f"non-finite {what} for {len(idx)} sample(s) at batch indices [{shown}]; {remedy}")

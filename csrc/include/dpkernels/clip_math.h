@@ -6,6 +6,7 @@
 // the same formulas; tests hold all four to the reference.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -42,6 +43,18 @@ DPK_HOST_DEVICE inline T clip_weight(ClipMode mode, T n, T C, T r) {
   return T(0);
 }
 
+// c (a weight formed in double) as a float rounded toward zero: |result| <= |c|, saturating at
+// FLT_MAX. Why not to nearest: a weight in the subnormal range has few significant bits, so
+// rounding up can nearly double it (0.54 * 2^-149 becomes 2^-149), and a sample would contribute
+// up to ~2C. Rounding toward zero keeps c * n <= C wherever it held in double. An infinite c (the
+// double quotient C/(n + r) overflowing for a tiny r) stands for a finite value beyond the float
+// range, so it saturates as well; NaN stays NaN.
+DPK_HOST_DEVICE inline float round_weight(double c) {
+  const float f = static_cast<float>(c);
+  const double a = fabs(c);
+  return (fabs(static_cast<double>(f)) > a || a > DBL_MAX) ? nextafterf(f, 0.f) : f;
+}
+
 // The vector whose norm is taken: (v - shift) * scale, the optional parts compiled out.
 template <bool kShift, bool kScale, typename T>
 DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
@@ -54,9 +67,10 @@ DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
 // s[0, L): the norms (flat: one, sqrt(Σ_l s_l); per layer: L, sqrt(s_l)), each times norm_scale,
 // and the weight of every tensor, w_l = clip_weight(n, C) with C = bounds[0] (flat) or bounds[l].
 // The weights are formed in double, as the reference forms them from its fp64 norms, then rounded
-// to fp32 (the gradients' compute type). A sample with a non-finite s_l gets weight 0 on every
-// tensor, so that the weighted sum can skip it; returns whether the sample is finite. (L and the
-// loop indices are int: with int64 ones ptxas spilled this loop on sm_90.)
+// toward zero to fp32 (the gradients' compute type; round_weight says why). A sample with a
+// non-finite s_l gets weight 0 on every tensor, so that the weighted sum can skip it; returns
+// whether the sample is finite. (L and the loop indices are int: with int64 ones ptxas spilled
+// this loop on sm_90.)
 DPK_HOST_DEVICE inline bool clip_sample_weights(const double* s, int L, bool per_layer, ClipMode mode,
                                                 const double* bounds, double r, double norm_scale, float* w,
                                                 float* norms) {
@@ -69,14 +83,14 @@ DPK_HOST_DEVICE inline bool clip_sample_weights(const double* s, int L, bool per
   }
   if (!per_layer) {
     const double n = sqrt(total) * norm_scale;
-    const float c = finite ? static_cast<float>(clip_weight<double>(mode, n, bounds[0], r)) : 0.f;
+    const float c = finite ? round_weight(clip_weight<double>(mode, n, bounds[0], r)) : 0.f;
     for (int l = 0; l < L; ++l) w[l] = c;
     norms[0] = static_cast<float>(n);
     return finite;
   }
   for (int l = 0; l < L; ++l) {
     const double n = sqrt(s[l]) * norm_scale;
-    w[l] = finite ? static_cast<float>(clip_weight<double>(mode, n, bounds[l], r)) : 0.f;
+    w[l] = finite ? round_weight(clip_weight<double>(mode, n, bounds[l], r)) : 0.f;
     norms[l] = static_cast<float>(n);
   }
   return finite;
