@@ -172,10 +172,6 @@ def _clip_factors_op(norms: Tensor, max_grad_norm: list[float], mode: str, r: fl
     ref.check_nonfinite(
         bad, "raise", "norm", "give those samples weight 0 yourself, or use clip_and_accumulate(..., nonfinite='drop')"
     )
-    if backend in ("cpu", "cuda") and norms.dtype == torch.float32:
-        # The C++ kernels evaluate fp32 norms in fp32 with C rounded to nearest; the semantics are
-        # the reference's: f in fp64, rounded toward zero to fp32 (ref.clip_factors says why).
-        return ref.round_weights(_kernels(backend).clip_factors(norms.double(), max_grad_norm, mode, r))
     return _kernels(backend).clip_factors(norms, max_grad_norm, mode, r)
 
 

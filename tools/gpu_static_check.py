@@ -171,7 +171,8 @@ def _triton_specs():
             specs.append((tk._weighted_sum_kernel, variant, wsum_sig, consts, tk.WSUM_NUM_WARPS))
     specs.append((tk._segment_sum_kernel, "fp64", seg_sig, dict(BLOCK=tk.SEGMENT_BLOCK), 4))
     for name in ("fp32", "fp64"):
-        sig = dict(norms_ptr=f"*{name}", params_ptr=f"*{name}", out_ptr=f"*{name}", N="i32", L_C="i32")
+        # r and the bounds are always fp64 (the weight is evaluated in fp64 for fp32 norms too).
+        sig = dict(norms_ptr=f"*{name}", params_ptr="*fp64", out_ptr=f"*{name}", N="i32", L_C="i32")
         for mode, mode_id in tk._MODE_IDS.items():
             consts = dict(MODE=mode_id, BLOCK=tk.CLIP_BLOCK)
             specs.append((tk._clip_factors_kernel, f"{name} {mode}", sig, consts, 4))

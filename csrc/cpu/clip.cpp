@@ -214,7 +214,7 @@ at::Tensor clip_factors_cpu(const at::Tensor& norms, at::ArrayRef<double> max_gr
     const scalar_t* x = norms.const_data_ptr<scalar_t>();
     scalar_t* y = out.data_ptr<scalar_t>();
     for (int64_t e = 0; e < n; ++e) {
-      y[e] = clip_weight<scalar_t>(m, x[e], static_cast<scalar_t>(C[e % L]), static_cast<scalar_t>(r));
+      y[e] = weight_of_norm<scalar_t>(m, x[e], C[e % L], r);
     }
   });
   return out;

@@ -685,19 +685,19 @@ __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
 // clip_factors
 // ---------------------------------------------------------------------------------------------
 
-// out[i, c] = clip_weight(mode, norms[i, c], bound[c - first], r) over rows i and the columns
+// out[i, c] = weight_of_norm(mode, norms[i, c], bound[c - first], r) over rows i and the columns
 // first .. first + count - 1 of a row-major [rows, L] tensor.
 template <typename T>
 __global__ void __launch_bounds__(kClipThreads)
     clip_factors_kernel(const __grid_constant__ BoundArgs a, const T* __restrict__ norms, T* __restrict__ out,
-                        int64_t rows, int64_t L, ClipMode mode, T r) {
+                        int64_t rows, int64_t L, ClipMode mode, double r) {
   const int64_t total = rows * a.count;
   for (int64_t e = int64_t{blockIdx.x} * kClipThreads + threadIdx.x; e < total;
        e += int64_t{gridDim.x} * kClipThreads) {
     const int64_t i = e / a.count;
     const int c = static_cast<int>(e - i * a.count);
     const int64_t idx = i * L + a.first + c;
-    out[idx] = clip_weight<T>(mode, norms[idx], static_cast<T>(a.bound[c]), r);
+    out[idx] = weight_of_norm<T>(mode, norms[idx], a.bound[c], r);
   }
 }
 
@@ -923,8 +923,7 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
     const auto launch = [&](const BoundArgs& a, int64_t rows, int64_t cols) {
       const int64_t blocks = std::min<int64_t>(ceil_div(rows * a.count, kClipThreads), 65535);
       clip_factors_kernel<scalar_t><<<static_cast<unsigned>(blocks), kClipThreads, 0, stream>>>(
-          a, norms.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, cols, m,
-          static_cast<scalar_t>(r));
+          a, norms.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, cols, m, r);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     BoundArgs a{};

@@ -55,6 +55,19 @@ DPK_HOST_DEVICE inline float round_weight(double c) {
   return (fabs(static_cast<double>(f)) > a || a > DBL_MAX) ? nextafterf(f, 0.f) : f;
 }
 
+// The weight of norm n in the norms' own type T: f evaluated in double (C and r as given, never
+// rounded to float first), a float result rounded toward zero. The clip_factors kernels use it,
+// so a weight from the staged path never exceeds the fused pipeline's.
+template <typename T>
+DPK_HOST_DEVICE inline T weight_of_norm(ClipMode mode, T n, double C, double r) {
+  const double c = clip_weight<double>(mode, static_cast<double>(n), C, r);
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return round_weight(c);
+  } else {
+    return c;
+  }
+}
+
 // The vector whose norm is taken: (v - shift) * scale, the optional parts compiled out.
 template <bool kShift, bool kScale, typename T>
 DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
