@@ -68,9 +68,7 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
     """``value`` as an int in ``[low, high)`` (an integral float such as ``3.0`` is refused: a seed or a
     step given as a float has usually lost bits), else ``ValueError`` naming ``name``."""
     x = _scalar(value)
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        x = None
-    if x is None or not isinstance(x, int):
+    if not isinstance(x, int):  # None, or a float (a float tensor's item() is one too)
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if (low is not None and x < low) or (high is not None and x >= high):
         lo = "-inf" if low is None else str(low)

@@ -294,6 +294,24 @@ def _privatize_op(
     return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
 
 
+def _clipped_sums(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0):
+    """``(sums, weights)``: the noise-free pipeline on any backend, with the per-sample weights
+    ``[B, L]`` that :func:`clip_and_accumulate` does not return (``grads`` flat, ``C`` a list as
+    for :func:`_native_pipeline`)."""
+    if backend in ("cpu", "cuda"):
+        sums, _, w = _native_pipeline(
+            grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, norm_scale=norm_scale
+        )
+        return sums, w
+    kernels = _kernels(backend)
+    sets = _unflatten(grads, len(coeffs))
+    w, _ = ref.clip_weights(
+        sets, C if per_layer else C[0], list(coeffs), mode, r, shift or None, scale or None, per_layer, nonfinite,
+        kernels, norm_scale=norm_scale,
+    )  # fmt: skip
+    return kernels.weighted_sum(sets, w, list(coeffs)), w
+
+
 def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
                       scale, per_layer, noise, nonfinite, backend):  # fmt: skip
     """``privatize`` with ``shift``/``scale``: the noise goes where the clip bounds each sample.
@@ -312,15 +330,7 @@ def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, rng, key, step, s
     A pre-drawn ``noise`` replaces ``noise_std·z``, in the scaled space.
     """
     _check_affine(shift, scale, noise_std)
-    k = len(coeffs)
-    if backend in ("cpu", "cuda"):
-        sums, _, w = _native_pipeline(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)
-    else:
-        kernels = _kernels(backend)
-        sets = _unflatten(grads, k)
-        C = max_grad_norm if per_layer else max_grad_norm[0]
-        w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
-        sums = kernels.weighted_sum(sets, w, coeffs)
+    sums, w = _clipped_sums(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, backend)
     c_total = w.double().sum(dim=0)  # [L]
     sizes = [s.numel() for s in sums]
     nus = [n.double() for n in noise] if noise else [None] * len(sums)

@@ -20,7 +20,6 @@ pass a fixed seed only for reproducibility, and keep it as secret as the data.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Sequence
 
@@ -167,11 +166,7 @@ def _chacha20_normals64(numel: int, key: list[int], step: int, stream: int, devi
     blocks = (numel + 7) // 8  # 8 normals per 16-word block
     words = torch.empty(16 * blocks, dtype=torch.int64, device=device)
     _words(words, "chacha20", key, step, stream, 0, backend)
-    w = words.view(blocks, 16)
-    u = ref.chacha20_uniform53(w[:, 0::2], w[:, 1::2])
-    r = torch.sqrt(-2.0 * torch.log(u[:, 0::2]))
-    theta = (2.0 * math.pi) * u[:, 1::2]
-    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=2).flatten()[:numel]
+    return ref.chacha20_block_normals(words.view(blocks, 16))[:numel]
 
 
 def _add_noise(

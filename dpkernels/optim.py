@@ -37,10 +37,8 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .clip import _kernels as _clip_kernels
-from .clip import _native_pipeline
+from .clip import _clipped_sums
 from .noise import RNGS, _signed64, fresh_key, gaussian_noise
-from .reference import clip as ref_clip
 from .reference import optim as ref
 
 __all__ = ["DPSGD", "DPAdam", "DPAdamBC", "DPAdamSTP", "DPMacAdam", "DP2", "DPPMLF"]
@@ -168,18 +166,12 @@ class _Fused:
 
     def _clip_sums(self, grad_sets, C, *, coeffs=(1.0,), shift=None, scale=None, norm_scale=1.0):
         """``(S, c)``: fp32 clipped sums per parameter and the per-sample weights ``[B]``."""
-        if self.backend in ("cpu", "cuda"):
-            flat = [g.contiguous() for gs in grad_sets for g in gs]
-            sums, _, w = _native_pipeline(
-                flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", norm_scale=norm_scale
-            )
-            return sums, w[:, 0]
-        kernels = _clip_kernels(self.backend)
-        sets = [[g.contiguous() for g in gs] for gs in grad_sets]
-        w, _ = ref_clip.clip_weights(
-            sets, C, list(coeffs), self.mode, self.r, shift, scale, False, "raise", kernels, norm_scale=norm_scale
-        )
-        return kernels.weighted_sum(sets, w, list(coeffs)), w[:, 0]
+        flat = [g.contiguous() for gs in grad_sets for g in gs]
+        sums, w = _clipped_sums(
+            flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
+            norm_scale=norm_scale,
+        )  # fmt: skip
+        return sums, w[:, 0]
 
     # ----------------------------------------------------------------------------------------
     # Stage 2: one family op per parameter group

@@ -196,11 +196,16 @@ def chacha20_standard_normal(
     """float64 N(0, 1) draws for elements ``[offset, offset + numel)`` (8 normals per block)."""
     _check_chacha(key, step, stream, offset)
     w = _chacha_blocks(offset // 8, (offset + numel + 7) // 8, key, step, stream, device)
+    return chacha20_block_normals(w)[offset % 8 : offset % 8 + numel]
+
+
+def chacha20_block_normals(w: torch.Tensor) -> torch.Tensor:
+    """The 8 float64 normals of each ChaCha20 block, flat: ``w`` is ``[blocks, 16]`` keystream words
+    (int64 holding uint32); word pairs give 53-bit uniforms, uniform pairs a Box–Muller pair."""
     u = chacha20_uniform53(w[:, 0::2], w[:, 1::2])  # [blocks, 8]
     r = torch.sqrt(-2.0 * torch.log(u[:, 0::2]))
     theta = (2.0 * math.pi) * u[:, 1::2]
-    z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=2).flatten()  # z_{2k}, z_{2k+1}
-    return z[offset % 8 : offset % 8 + numel]
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=2).flatten()  # z_{2k}, z_{2k+1}
 
 
 def round_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
