@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -126,4 +126,11 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(
+    # The Triton kernels keep their top-level source folder but install and import as
+    # dpkernels.triton_kernels, so they never shadow the Triton project's own `triton_kernels`.
+    packages=[*find_packages(include=["dpkernels", "dpkernels.*"]), "dpkernels.triton_kernels"],
+    package_dir={"dpkernels.triton_kernels": "triton_kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -120,7 +120,7 @@ def _kernels(backend: str):
         return ref
     if backend in ("cpu", "cuda"):
         return _native_kernels()
-    from triton_kernels import clip as triton_clip
+    from .triton_kernels import clip as triton_clip
 
     return triton_clip
 

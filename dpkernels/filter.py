@@ -35,7 +35,7 @@ MAX_FILTER_BUFFERS = 32
 
 
 def _triton():
-    from triton_kernels import filter as triton_filter
+    from .triton_kernels import filter as triton_filter
 
     return triton_filter
 

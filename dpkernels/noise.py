@@ -123,7 +123,7 @@ def _check_std(std, name: str = "std") -> float:
 
 
 def _triton():
-    from triton_kernels import noise as triton_noise
+    from .triton_kernels import noise as triton_noise
 
     return triton_noise
 

@@ -71,7 +71,7 @@ def _first_device(groups: list) -> torch.device:
 
 def _step_op(family: str, backend: str):
     if backend == "triton":
-        from triton_kernels import optim as triton_optim
+        from .triton_kernels import optim as triton_optim
 
         return getattr(triton_optim, f"{family}_step_")
     return getattr(torch.ops.dpkernels_C, f"{family}_step_")

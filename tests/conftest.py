@@ -1,7 +1,7 @@
 """Test set-up shared by every test file.
 
 - Without a GPU, Triton kernels run under the interpreter; the switch is read when a kernel is
-  decorated, so it is set before anything imports triton_kernels.
+  decorated, so it is set before anything imports dpkernels.triton_kernels.
 - Outputs are poisoned with NaN before kernels run: the C++ kernels via DPKERNELS_POISON_OUTPUTS,
   Python-side allocations (Triton launchers) by patching torch.empty* for calls made from the
   package, so an element a kernel forgets to write shows up as NaN.

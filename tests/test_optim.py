@@ -305,7 +305,7 @@ def test_family_op_rounds_16bit_params_once(backend_device, family, dtype):
 @pytest.mark.skipif("triton" not in dpkernels.available_backends("cpu"), reason="triton backend not available")
 def test_triton_step_ops_reject_bad_inputs():
     """The Triton launchers validate like optim_layout.h's check_step_inputs, with a clear message."""
-    from triton_kernels import optim as tk
+    from dpkernels.triton_kernels import optim as tk
 
     p, s = [torch.zeros(8)], [torch.zeros(8)]
     adam = [0.2, 0.01, 0.9, 0.1, 0.999, 0.001, 0.1, 0.001, 0.0, 1e-8, 1.0, 0.0, 0.0, 0.0, 0.0]

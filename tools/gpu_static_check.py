@@ -134,9 +134,9 @@ def _triton_specs():
     """
     import triton.language as tl
 
-    from triton_kernels import clip as tk
-    from triton_kernels import filter as tf
-    from triton_kernels import noise as tn
+    from dpkernels.triton_kernels import clip as tk
+    from dpkernels.triton_kernels import filter as tf
+    from dpkernels.triton_kernels import noise as tn
 
     ptr_tables = (
         "grad_ptrs",
@@ -227,7 +227,7 @@ def _step_specs():
     (Philox), correlated (BLT noise buffers) and pre-drawn noise, fp32 and bf16 parameters."""
     import triton.language as tl
 
-    from triton_kernels import optim as to
+    from dpkernels.triton_kernels import optim as to
 
     tables = ("param_ptrs", "sum_ptrs", "state_ptrs", "past_ptrs", "noise_ptrs", "noise_state_ptrs", "numels", "bases")
     sig = {n: "*i64" for n in (*tables, "tile_slot", "tile_start", "key", "coeff_bits", "hyper")}
@@ -294,7 +294,7 @@ def _triton_worker(archs: list[int]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton_kernels.optim import STEP_COMPILE_OPTIONS
+    from dpkernels.triton_kernels.optim import STEP_COMPILE_OPTIONS
 
     ptxas = triton.knobs.nvidia.ptxas.path
     # Launch options besides num_warps, per kernel (the ones its launcher passes).

@@ -412,7 +412,7 @@ def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, 
     if device.type != "cuda" and not _interpreting():
         raise RuntimeError(
             f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
         )
     for j, gs in enumerate(sets):
         if len(gs) != L:

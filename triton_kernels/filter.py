@@ -165,7 +165,7 @@ def linear_filter_(
     if device.type != "cuda" and not _interpreting():
         raise RuntimeError(
             f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
         )
     counter = _check_counter(seed, step, stream, offset)
     a = coeffs[0]

@@ -298,7 +298,7 @@ def _check(tensors: Sequence[torch.Tensor], dtypes, what: str) -> torch.device:
     if device.type != "cuda" and not _interpreting():
         raise RuntimeError(
             f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
         )
     for i, x in enumerate(tensors):
         if x.dtype not in dtypes:

@@ -382,7 +382,7 @@ def _step(
     if device.type != "cuda" and not _interpreting():
         raise RuntimeError(
             f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton_kernels (Triton interpreter)"
+            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
         )
     noise_std = float(noise_std)
     if not math.isfinite(noise_std) or noise_std < 0:
