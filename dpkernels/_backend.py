@@ -91,14 +91,6 @@ def _why_unavailable(backend: str, dev: str) -> str:
     return "Triton needs a CUDA device, or TRITON_INTERPRET=1 (set before importing dpkernels) to run on CPU"
 
 
-def runs_native(backend: str, t: torch.Tensor) -> bool:
-    """Whether ``resolve(backend, t.device)`` is the extension's cpu or cuda kernels, answered from
-    the tensor's flags without building a device (~35 µs less than ``resolve`` with cold caches)."""
-    if t.is_cpu:
-        return _EXTENSION is not None and backend in ("auto", "cpu")
-    return _HAS_CUDA_KERNELS and t.is_cuda and backend in ("auto", "cuda")
-
-
 def resolve(backend: str, device: torch.device) -> str:
     """Map ``backend`` (``"auto"`` or a name in :data:`BACKENDS`) to a usable backend for ``device``.
 

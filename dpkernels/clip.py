@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import _backend
+from ._registry import custom_op, family
 from ._validate import FP32_MAX, _scalar, fp32_scale, integer, real
-from .noise import _chacha20_normals64, _counter_key, _fill, _from_limbs, _unsigned64
+from .noise import NOISE, NoiseKey, _chacha20_normals64
 from .reference import clip as ref
 from .reference.noise import round_once
 
@@ -41,8 +41,16 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
-# Backends: each provides per_sample_sumsq, clip_factors and weighted_sum with the reference's
-# signatures (grad_sets is a list of k lists of L tensors).
+# The clip family. Every backend provides the three stages with the reference's signatures
+# (grad_sets: k lists of L tensors) and ``pipeline``: the stages and the private epilogue,
+#
+#   pipeline(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale, noise_std,
+#            key, out_scale, noise) -> (sums, norms, weights [B, L])
+#
+# with ``grads`` flat (set-major), ``C`` one bound or one per tensor (per_layer), ``key`` a
+# NoiseKey (None: no generated noise) and ``noise`` a pre-drawn list (or empty): sums are
+# ``(Σ_i w_il v_il + ν_l) · out_scale``. On cpu/cuda it is one native op; the staged backends
+# compose it from their stages exactly as dpkernels.reference.clip.clip_weights does.
 # --------------------------------------------------------------------------------------------
 
 
@@ -50,44 +58,80 @@ def _flat(grad_sets):
     return [g for gs in grad_sets for g in gs]
 
 
-def _native_kernels():
-    """The C++ ops (``torch.ops.dpkernels_C``); one schema, CPU and CUDA kernels."""
-    ops = torch.ops.dpkernels_C
-    return SimpleNamespace(
-        per_sample_sumsq=lambda grad_sets, coeffs, shift, scale: ops.per_sample_sumsq(
+class _NativeClip:
+    """``torch.ops.dpkernels_C`` (csrc/ops.cpp): one schema, CPU and CUDA kernels."""
+
+    @staticmethod
+    def per_sample_sumsq(grad_sets, coeffs, shift=None, scale=None):
+        return torch.ops.dpkernels_C.per_sample_sumsq(
             _flat(grad_sets), list(coeffs), list(shift or []), list(scale or [])
-        ),
-        clip_factors=lambda norms, max_grad_norm, mode, r: ops.clip_factors(
-            norms, _as_list(max_grad_norm), mode, float(r)
-        ),
-        weighted_sum=lambda grad_sets, weights, coeffs: ops.weighted_sum(_flat(grad_sets), list(coeffs), weights),
-    )
+        )
+
+    @staticmethod
+    def clip_factors(norms, max_grad_norm, mode="clip", r=0.0):
+        return torch.ops.dpkernels_C.clip_factors(norms, _as_list(max_grad_norm), mode, float(r))
+
+    @staticmethod
+    def weighted_sum(grad_sets, weights, coeffs=(1.0,)):
+        return torch.ops.dpkernels_C.weighted_sum(_flat(grad_sets), list(coeffs), weights)
+
+    @staticmethod
+    def pipeline(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale=1.0, noise_std=0.0,
+                 key=None, out_scale=1.0, noise=()):  # fmt: skip
+        rng, limbs, step, stream, _ = ("none", [], 0, 0, 0) if key is None else key.schema()
+        sums, norms, weights = torch.ops.dpkernels_C.clip_pipeline(
+            grads, list(coeffs), list(C), mode, float(r), list(shift), list(scale), bool(per_layer),
+            nonfinite == "drop", float(norm_scale), rng, float(noise_std), limbs, step, stream, float(out_scale),
+            list(noise),
+        )  # fmt: skip
+        return list(sums), norms, weights
 
 
-_eager_pipeline = _backend.extension().clip_pipeline if _backend.has_cpu_kernels() else None
+class _StagedClip:
+    """The pipeline composed from a backend's three stages (reference, triton): norms, weights, and
+    the sum pass with its noise epilogue (``privatized_sum``, or ``privatized_sum_chacha20`` for
+    generated ChaCha20 noise, which is added in float64 and rounded once)."""
+
+    def __init__(self, stages):
+        self.stages = stages
+        self.per_sample_sumsq = stages.per_sample_sumsq
+        self.clip_factors = stages.clip_factors
+        self.weighted_sum = stages.weighted_sum
+
+    def pipeline(self, grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale=1.0,
+                 noise_std=0.0, key=None, out_scale=1.0, noise=()):  # fmt: skip
+        st, sets = self.stages, _unflatten(grads, len(coeffs))
+        sumsq = st.per_sample_sumsq(sets, list(coeffs), shift or None, scale or None)
+        norms, bad = ref.norms_of_sumsq(sumsq, per_layer, nonfinite, norm_scale)
+        dtype = _out_dtype(grads)
+        factors = st.clip_factors(norms, C if per_layer else C[0], mode, r)
+        w = ref.weights_of_factors(factors, bad, sumsq.shape[1], dtype)
+        norms = norms.to(dtype)
+        if key is None and not noise:
+            return st.weighted_sum(sets, w, list(coeffs)), norms, w
+        if not noise and key.rng == "chacha20" and noise_std > 0:
+            sums = st.privatized_sum_chacha20(sets, w, coeffs, noise_std, key.key, key.step, key.stream, out_scale)
+        else:  # pre-drawn, Philox or no noise (the chacha20 key is unused then)
+            seed = key.key if key is not None and key.rng == "philox" else 0
+            step, stream = (0, 0) if key is None else (key.step, key.stream)
+            sums = st.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, list(noise) or None)
+        return sums, norms, w
 
 
-def _native_pipeline(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, *, norm_scale=1.0,
-                     rng="none", noise_std=0.0, key=(), step=0, stream=0, out_scale=1.0, noise=()):  # fmt: skip
-    """``(sums, norms, weights)`` from one C++/CUDA op (``dpkernels_C::clip_pipeline``): the three
-    stages and the private epilogue in one call, the composition that
-    :func:`dpkernels.reference.clip.clip_weights` and ``privatized_sum`` spell out. ``grads`` is
-    flat (set-major); ``C`` one bound, or one per tensor with ``per_layer``.
+def _triton_clip():
+    from .triton_kernels import clip as triton_clip
 
-    Eager calls take the extension's own entry to the same op (csrc/python.cpp: ~0.06 ms less on a
-    list of 148 tensors), which answers ``None`` for anything but plain tensors; torch.compile
-    traces torch.ops."""
-    args = (
-        grads, list(coeffs), list(C), mode, float(r), list(shift), list(scale), bool(per_layer),
-        nonfinite == "drop", float(norm_scale), rng, float(noise_std), list(key), step, stream,
-        float(out_scale), list(noise),
-    )  # fmt: skip
-    if _eager_pipeline is not None and type(grads) is list and not torch.compiler.is_compiling():
-        out = _eager_pipeline(*args)
-        if out is not None:
-            return out
-    sums, norms, weights = torch.ops.dpkernels_C.clip_pipeline(*args)
-    return list(sums), norms, weights
+    return _StagedClip(triton_clip)
+
+
+CLIP = family(
+    "clip",
+    ("per_sample_sumsq", "clip_factors", "weighted_sum", "pipeline"),
+    reference=lambda: _StagedClip(ref),
+    cpu=lambda: _NativeClip,
+    cuda=lambda: _NativeClip,
+    triton=_triton_clip,
+)
 
 
 if _backend.has_cpu_kernels():
@@ -115,16 +159,6 @@ if _backend.has_cpu_kernels():
         return sums, norms, grads[0].new_empty((B, L), dtype=torch.float32)
 
 
-def _kernels(backend: str):
-    if backend == "reference":
-        return ref
-    if backend in ("cpu", "cuda"):
-        return _native_kernels()
-    from .triton_kernels import clip as triton_clip
-
-    return triton_clip
-
-
 def _as_list(x) -> list[float]:
     return [float(v) for v in x] if isinstance(x, Sequence) else [float(x)]
 
@@ -144,7 +178,7 @@ def _out_dtype(grads: Sequence[Tensor]) -> torch.dtype:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dpkernels::per_sample_norms", mutates_args=())
+@custom_op("per_sample_norms", mutates_args=())
 def _per_sample_norms_op(
     grads: list[Tensor],
     coeffs: list[float],
@@ -153,7 +187,7 @@ def _per_sample_norms_op(
     per_layer: bool,
     backend: str,
 ) -> Tensor:
-    sumsq = _kernels(backend).per_sample_sumsq(_unflatten(grads, len(coeffs)), coeffs, shift or None, scale or None)
+    sumsq = CLIP.kernels(backend).per_sample_sumsq(_unflatten(grads, len(coeffs)), coeffs, shift or None, scale or None)
     return (sumsq if per_layer else sumsq.sum(dim=1)).sqrt().to(_out_dtype(grads))
 
 
@@ -163,7 +197,7 @@ def _(grads, coeffs, shift, scale, per_layer, backend):
     return grads[0].new_empty((B, L) if per_layer else (B,), dtype=_out_dtype(grads))
 
 
-@torch.library.custom_op("dpkernels::clip_factors", mutates_args=())
+@custom_op("clip_factors", mutates_args=())
 def _clip_factors_op(norms: Tensor, max_grad_norm: list[float], mode: str, r: float, backend: str) -> Tensor:
     # A NaN/Inf norm would give a NaN weight and, in weighted_sum, a NaN sum: refused here as the
     # fused pipeline refuses the sample (its nonfinite="drop" is the way to weight such samples 0).
@@ -172,7 +206,7 @@ def _clip_factors_op(norms: Tensor, max_grad_norm: list[float], mode: str, r: fl
     ref.check_nonfinite(
         bad, "raise", "norm", "give those samples weight 0 yourself, or use clip_and_accumulate(..., nonfinite='drop')"
     )
-    return _kernels(backend).clip_factors(norms, max_grad_norm, mode, r)
+    return CLIP.kernels(backend).clip_factors(norms, max_grad_norm, mode, r)
 
 
 @_clip_factors_op.register_fake
@@ -180,13 +214,13 @@ def _(norms, max_grad_norm, mode, r, backend):
     return torch.empty_like(norms)
 
 
-@torch.library.custom_op("dpkernels::weighted_sum", mutates_args=())
+@custom_op("weighted_sum", mutates_args=())
 def _weighted_sum_op(grads: list[Tensor], coeffs: list[float], weights: Tensor, backend: str) -> list[Tensor]:
     sets = _unflatten(grads, len(coeffs))
     dtype = _out_dtype(grads)
     # fp64 weights for fp32 sums are rounded toward zero, as every clip weight is (never up).
     w = ref.round_weights(weights) if weights.dtype == torch.float64 and dtype == torch.float32 else weights.to(dtype)
-    sums = _kernels(backend).weighted_sum(sets, w.contiguous(), coeffs)
+    sums = CLIP.kernels(backend).weighted_sum(sets, w.contiguous(), coeffs)
     _check_weighted_sum(sets, weights, coeffs, sums)
     return sums
 
@@ -222,7 +256,7 @@ def _(grads, coeffs, weights, backend):
     return [g.new_empty(g.shape[1:], dtype=_out_dtype(grads)) for g in grads[:L]]
 
 
-@torch.library.custom_op("dpkernels::clip_and_accumulate", mutates_args=())
+@custom_op("clip_and_accumulate", mutates_args=())
 def _clip_and_accumulate_op(
     grads: list[Tensor],
     coeffs: list[float],
@@ -235,13 +269,10 @@ def _clip_and_accumulate_op(
     nonfinite: str,
     backend: str,
 ) -> tuple[list[Tensor], Tensor]:
-    if backend in ("cpu", "cuda"):
-        return _native_pipeline(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)[:2]
-    C = max_grad_norm if per_layer else max_grad_norm[0]
-    return ref.clip_and_accumulate(
-        _unflatten(grads, len(coeffs)), C, coeffs, mode, r, shift or None, scale or None,
-        per_layer, nonfinite, kernels=_kernels(backend),
-    )  # fmt: skip
+    sums, norms, _ = CLIP.kernels(backend).pipeline(
+        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite
+    )
+    return sums, norms
 
 
 @_clip_and_accumulate_op.register_fake
@@ -253,7 +284,7 @@ def _(grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite,
     return sums, grads[0].new_empty((B, L) if per_layer else (B,), dtype=dtype)
 
 
-@torch.library.custom_op("dpkernels::privatize", mutates_args=())
+@custom_op("privatize", mutates_args=())
 def _privatize_op(
     grads: list[Tensor],
     coeffs: list[float],
@@ -273,47 +304,29 @@ def _privatize_op(
     nonfinite: str,
     backend: str,
 ) -> list[Tensor]:
+    k = NoiseKey.from_schema(rng, key, step, stream, 0)
     if shift or scale:
         return _privatize_affine(
-            grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale,
-            per_layer, noise, nonfinite, backend,
+            grads, coeffs, max_grad_norm, noise_std, k, out_scale, mode, r, shift, scale, per_layer, noise, nonfinite,
+            backend,
         )  # fmt: skip
-    if backend in ("cpu", "cuda"):
-        return _native_privatize(
-            grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift, scale,
-            per_layer, noise, nonfinite,
-        )  # fmt: skip
-    kernels = _kernels(backend)
-    sets = _unflatten(grads, len(coeffs))
-    C = max_grad_norm if per_layer else max_grad_norm[0]
-    w, _ = ref.clip_weights(sets, C, coeffs, mode, r, shift or None, scale or None, per_layer, nonfinite, kernels)
-    if rng == "chacha20" and not noise and noise_std > 0:
-        # Secure mode: round(S + σCz) in float64, then the scale, in the pass that writes S.
-        return kernels.privatized_sum_chacha20(sets, w, coeffs, noise_std, _from_limbs(key), step, stream, out_scale)
-    seed = _unsigned64(key[0]) if rng == "philox" else 0  # the chacha20 key is unused without noise
-    return kernels.privatized_sum(sets, w, coeffs, noise_std, seed, step, stream, out_scale, noise or None)
+    return CLIP.kernels(backend).pipeline(
+        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, noise_std=noise_std, key=k,
+        out_scale=out_scale, noise=noise,
+    )[0]  # fmt: skip
 
 
 def _clipped_sums(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0):
     """``(sums, weights)``: the noise-free pipeline on any backend, with the per-sample weights
-    ``[B, L]`` that :func:`clip_and_accumulate` does not return (``grads`` flat, ``C`` a list as
-    for :func:`_native_pipeline`)."""
-    if backend in ("cpu", "cuda"):
-        sums, _, w = _native_pipeline(
-            grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, norm_scale=norm_scale
-        )
-        return sums, w
-    kernels = _kernels(backend)
-    sets = _unflatten(grads, len(coeffs))
-    w, _ = ref.clip_weights(
-        sets, C if per_layer else C[0], list(coeffs), mode, r, shift or None, scale or None, per_layer, nonfinite,
-        kernels, norm_scale=norm_scale,
-    )  # fmt: skip
-    return kernels.weighted_sum(sets, w, list(coeffs)), w
+    ``[B, L]`` that :func:`clip_and_accumulate` does not return (``grads`` flat, ``C`` a list)."""
+    sums, _, w = CLIP.kernels(backend).pipeline(
+        grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, norm_scale=norm_scale
+    )
+    return sums, w
 
 
-def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
-                      scale, per_layer, noise, nonfinite, backend):  # fmt: skip
+def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, key, out_scale, mode, r, shift, scale, per_layer,
+                      noise, nonfinite, backend):  # fmt: skip
     """``privatize`` with ``shift``/``scale``: the noise goes where the clip bounds each sample.
 
     The clip bounds ``‖c_i (v_i − shift) ⊙ scale‖ ≤ C``, not ``‖c_i v_i‖``, so the private release is
@@ -336,11 +349,11 @@ def _privatize_affine(grads, coeffs, max_grad_norm, noise_std, rng, key, step, s
     nus = [n.double() for n in noise] if noise else [None] * len(sums)
     if not noise and noise_std > 0:
         device = sums[0].device
-        if rng == "chacha20":
-            z = noise_std * _chacha20_normals64(sum(sizes), key, step, stream, device, backend)
+        if key.rng == "chacha20":
+            z = noise_std * _chacha20_normals64(sum(sizes), key, device, backend)
         else:
             z = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            _fill(z, noise_std, "philox", key, step, stream, 0, backend)
+            NOISE.kernels(backend).fill(z, noise_std, key)
         nus = [part.view_as(s).double() for part, s in zip(torch.split(z, sizes), sums, strict=True)]
     out = []
     for idx, (s, nu) in enumerate(zip(sums, nus, strict=True)):
@@ -380,15 +393,6 @@ def _check_affine(shift: list[Tensor], scale: list[Tensor], noise_std: float) ->
                     f"scale[{idx}] has an entry of magnitude {lo:.4g}: 1/scale or the noise "
                     f"{noise_std:.4g}/scale in gradient coordinates overflows float32 (max {FP32_MAX:.4g})"
                 )
-
-
-def _native_privatize(grads, coeffs, max_grad_norm, noise_std, rng, key, step, stream, out_scale, mode, r, shift,
-                      scale, per_layer, noise, nonfinite):  # fmt: skip
-    """``privatize`` on cpu/cuda without shift/scale: :func:`_native_pipeline` with the noise epilogue."""
-    return _native_pipeline(
-        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, rng=rng, noise_std=noise_std,
-        key=key, step=step, stream=stream, out_scale=out_scale, noise=noise,
-    )[0]  # fmt: skip
 
 
 @_privatize_op.register_fake
@@ -712,20 +716,18 @@ def privatize(
         raise ValueError("the batch is empty: pass expected_batch_size, the mean divides by it")
     else:
         B = batch.B
-    key, step, stream, _ = _counter_key(rng, seed, step, stream, 0)
+    key = NoiseKey.of(rng, seed, step, stream)
     noise_v = []
     if noise is not None:
         noise_v = _prepare_vectors(noise, batch, "noise")
     sensitivity = math.sqrt(sum(c * c for c in C)) if per_layer else C[0]
     noise_std = fp32_scale("noise_multiplier·sensitivity", sigma * sensitivity)
     shift_v, scale_v = _prepare_vectors(shift, batch, "shift"), _prepare_vectors(scale, batch, "scale")
-    args = (
-        batch.grads, batch.coeffs, C, noise_std, rng, key, step, stream, 1.0 / B, mode, r, shift_v, scale_v,
-        bool(per_layer), noise_v, nonfinite,
+    rng, limbs, step, stream, _ = key.schema()
+    return _privatize_op(
+        batch.grads, batch.coeffs, C, noise_std, rng, limbs, step, stream, 1.0 / B, mode, r, shift_v, scale_v,
+        bool(per_layer), noise_v, nonfinite, backend,
     )  # fmt: skip
-    if backend in ("cpu", "cuda") and not (shift_v or scale_v):
-        return _native_privatize(*args)  # the custom-op wrapper is skipped, as in clip_and_accumulate
-    return _privatize_op(*args, backend)
 
 
 def clip_and_accumulate(
@@ -755,47 +757,9 @@ def clip_and_accumulate(
     Returns: ``sums``, one fp32 tensor per parameter shaped like it; ``norms``, fp32 ``[B]`` or
     ``[B, L]``. ``B = 0`` is valid and gives zero sums.
     """
-    if coeffs is None and shift is None and scale is None:
-        out = _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite, backend)
-        if out is not None:
-            return out
     batch, backend, r, C = _pipeline_args(grad_samples, max_grad_norm, mode, r, per_layer, coeffs, nonfinite, backend)
     args = (
         batch.grads, batch.coeffs, C, mode, r, _prepare_vectors(shift, batch, "shift"),
         _prepare_vectors(scale, batch, "scale"), bool(per_layer), nonfinite,
     )  # fmt: skip
-    if backend in ("cpu", "cuda"):
-        # Straight to the native op (itself a registered op, so torch.compile traces it the same):
-        # the custom-op wrapper around it costs ~0.1 ms per call on a list of 150 tensors.
-        return _native_pipeline(*args)[:2]
     return _clip_and_accumulate_op(*args, backend)
-
-
-def _unchecked_native(grad_samples, max_grad_norm, mode, r, per_layer, nonfinite, backend):
-    """:func:`clip_and_accumulate` of a plain list on the cpu/cuda backends, without the
-    per-tensor checks in Python, or ``None`` when it does not apply.
-
-    Why: the native op checks every tensor itself (dtype, batch size, shape, contiguity, device;
-    its fake kernel, where a list mixing meta and real tensors is dispatched, rejects mixed
-    devices), and the Python loop over hundreds of tensors was a fixed cost of ~0.1 ms per call,
-    ~0.3 ms with cold caches. When the op rejects the list, this returns ``None`` and the caller
-    runs the validating path, which raises the clear error that names the tensor, or copies
-    non-contiguous tensors and proceeds. The op's own ``ValueError`` (a non-finite sample under
-    ``nonfinite="raise"``) propagates.
-    """
-    if torch.compiler.is_compiling() or _eager_pipeline is None or type(grad_samples) is not list:
-        return None
-    if not grad_samples or type(grad_samples[0]) is not Tensor or nonfinite not in ("raise", "drop"):
-        return None
-    if not _backend.runs_native(backend, grad_samples[0]):
-        return None
-    r = _check_mode(mode, r)
-    C = _check_max_grad_norm(max_grad_norm, per_layer, len(grad_samples))
-    try:
-        out = _eager_pipeline(
-            grad_samples, [1.0], C, mode, r, [], [], bool(per_layer), nonfinite == "drop", 1.0, "none", 0.0, [], 0,
-            0, 1.0, [],
-        )  # fmt: skip
-    except (RuntimeError, TypeError):
-        return None
-    return None if out is None else out[:2]

@@ -26,18 +26,13 @@ import torch
 from torch import Tensor
 
 from . import _backend
+from ._registry import custom_op, family
 from ._validate import FP32_MAX, real
-from .noise import _FLOAT_DTYPES, _check_counter, _check_std, _signed64, _unsigned64, fresh_seed
+from .noise import _FLOAT_DTYPES, NoiseKey, _check_std
 from .reference import filter as ref
 
 #: Buffers per call (csrc/include/dpkernels/filter.h kMaxFilterBuffers).
 MAX_FILTER_BUFFERS = 32
-
-
-def _triton():
-    from .triton_kernels import filter as triton_filter
-
-    return triton_filter
 
 
 def _split_coeffs(coeffs: Sequence[float]):
@@ -52,38 +47,57 @@ def _split_coeffs(coeffs: Sequence[float]):
     )
 
 
-def _run(inputs, state, out, coeffs, accumulate, noise_std, seed, step, stream, offset, backend) -> None:
-    if backend == "reference":
+# --------------------------------------------------------------------------------------------
+# The filter family: one op, ``step(inputs, state, out, coeffs, accumulate, noise_std, key)`` with
+# the native op's contract (csrc/ops.cpp): state[k·L + l] is buffer k of tensor l.
+# --------------------------------------------------------------------------------------------
+
+
+class _ReferenceFilter:
+    @staticmethod
+    def step(inputs, state, out, coeffs, accumulate, noise_std, key: NoiseKey) -> None:
         K = (len(coeffs) - 2) // 4
         L = len(out) if out else (len(inputs) if inputs else len(state) // K)
         ref.linear_filter(
-            [state[k * L : (k + 1) * L] for k in range(K)],
-            **_split_coeffs(coeffs),
-            inputs=inputs or None,
-            out=out or None,
-            accumulate=accumulate,
-            noise_std=noise_std,
-            seed=_unsigned64(seed),
-            step=step,
-            stream=stream,
-            offset=offset,
-        )
-    elif backend == "triton":
-        _triton().linear_filter_(
-            inputs, state, out, coeffs, accumulate, noise_std, _unsigned64(seed), step, stream, offset
-        )
-    else:
+            [state[k * L : (k + 1) * L] for k in range(K)], **_split_coeffs(coeffs), inputs=inputs or None,
+            out=out or None, accumulate=accumulate, noise_std=noise_std, seed=key.key, step=key.step,
+            stream=key.stream, offset=key.offset,
+        )  # fmt: skip
+
+
+class _NativeFilter:
+    @staticmethod
+    def step(inputs, state, out, coeffs, accumulate, noise_std, key: NoiseKey) -> None:
         torch.ops.dpkernels_C.linear_filter_(
-            inputs, state, out, coeffs, accumulate, noise_std, seed, step, stream, offset
+            inputs, state, out, coeffs, accumulate, noise_std, key.limbs()[0], key.step, key.stream, key.offset
         )
 
 
-@torch.library.custom_op("dpkernels::linear_filter_", mutates_args=("state", "out"))
+class _TritonFilter:
+    @staticmethod
+    def step(inputs, state, out, coeffs, accumulate, noise_std, key: NoiseKey) -> None:
+        from .triton_kernels import filter as tf
+
+        tf.linear_filter_(inputs, state, out, coeffs, accumulate, noise_std, key.key, key.step, key.stream, key.offset)
+
+
+FILTER = family(
+    "filter",
+    ("step",),
+    reference=lambda: _ReferenceFilter,
+    cpu=lambda: _NativeFilter,
+    cuda=lambda: _NativeFilter,
+    triton=lambda: _TritonFilter,
+)
+
+
+@custom_op("linear_filter_", mutates_args=("state", "out"))
 def _linear_filter_op(
     inputs: list[Tensor], state: list[Tensor], out: list[Tensor], coeffs: list[float], accumulate: bool,
     noise_std: float, seed: int, step: int, stream: int, offset: int, backend: str,
 ) -> None:  # fmt: skip
-    _run(inputs, state, out, coeffs, accumulate, noise_std, seed, step, stream, offset, backend)
+    key = NoiseKey.from_schema("philox", [seed], step, stream, offset)
+    FILTER.kernels(backend).step(inputs, state, out, coeffs, accumulate, noise_std, key)
 
 
 def _as_list(name: str, value) -> list[Tensor]:
@@ -189,13 +203,13 @@ def linear_filter_(
     if written & read:
         raise ValueError("out must not share memory with inputs or state")
     noise_std = _check_std(noise_std, "noise_std")
-    if noise_std > 0:
-        if step is None:
-            raise ValueError("step is required when noise_std > 0 (it keys the Philox counter)")
-        seed = fresh_seed() if seed is None else seed
-    seed, step = (0 if seed is None else seed), (0 if step is None else step)
-    seed, step, stream, offset = _check_counter(seed, step, stream, offset)
+    if noise_std > 0 and step is None:
+        raise ValueError("step is required when noise_std > 0 (it keys the Philox counter)")
+    if noise_std == 0 and seed is None:
+        seed = 0  # no draw: nothing to key
+    key = NoiseKey.of("philox", seed, 0 if step is None else step, stream, offset)
+    _, limbs, *counter = key.schema()
     _linear_filter_op(
-        ins, [t for lst in bufs for t in lst], outs, coeffs, bool(accumulate), float(noise_std),
-        _signed64(seed), step, stream, offset, _backend.resolve(backend, device),
+        ins, [t for lst in bufs for t in lst], outs, coeffs, bool(accumulate), float(noise_std), *limbs, *counter,
+        _backend.resolve(backend, device),
     )  # fmt: skip

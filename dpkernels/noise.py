@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import _backend
+from ._registry import custom_op, family
 from ._validate import fp32_scale, integer, real
 from .reference import noise as ref
 
@@ -38,41 +40,25 @@ def fresh_seed() -> int:
     return secrets.randbits(64)
 
 
-def _signed64(seed: int) -> int:
-    """Op schemas carry ints as int64: pass the seed's 64 bits unchanged, as a signed value."""
-    return seed - 2**64 if seed >= 2**63 else seed
-
-
-def _unsigned64(seed: int) -> int:
-    return seed % 2**64
-
-
-def _check_counter(seed, step, stream, offset) -> tuple[int, int, int, int]:
-    """``(seed, step, stream, offset)`` as Python ints (any integer type, bools refused), each in its
-    counter field's range; callers use the returned values, so NumPy ints never reach the kernels."""
-    return tuple(
-        integer(name, value, low=0, high=2**bits)
-        for name, value, bits in (
-            ("seed", seed, 64),
-            ("step", step, 32),
-            ("stream", stream, 32),
-            ("offset", offset, 62),
-        )
-    )
-
-
-RNGS = ("philox", "chacha20")
-
-
 def fresh_key() -> int:
     """A 256-bit ChaCha20 key from the operating system's CSPRNG."""
     return secrets.randbits(256)
+
+
+RNGS = ("philox", "chacha20")
+#: Bits of each counter field (docs/RNG.md).
+_COUNTER_BITS = {"step": 32, "stream": 32, "offset": 62}
 
 
 def _check_rng(rng) -> str:
     if rng not in RNGS:
         raise ValueError(f"rng must be one of {RNGS}, got {rng!r}")
     return rng
+
+
+def _signed64(word: int) -> int:
+    """Op schemas carry ints as int64: a 64-bit word's bits unchanged, as a signed value."""
+    return word - 2**64 if word >= 2**63 else word
 
 
 def chacha20_key(seed) -> int:
@@ -90,26 +76,54 @@ def chacha20_key(seed) -> int:
         ) from None
 
 
-def _limbs(key: int) -> list[int]:
-    """The 256-bit key as 4 signed int64 limbs (limb j = bits 64j .. 64j + 63), for op schemas."""
-    return [_signed64((key >> (64 * j)) % 2**64) for j in range(4)]
+class NoiseKey(NamedTuple):
+    """Which draws of which generator: the one noise-key type from the public API to the kernels.
+
+    ``key`` is the generator's key as an unsigned int (Philox: 64 bits, ChaCha20: 256 bits); the
+    counter is ``(element, step, stream)`` with elements from ``offset`` on (docs/RNG.md). Op
+    schemas carry it as ``(rng, limbs, step, stream, offset)``: :meth:`limbs` and
+    :meth:`from_schema` are the only encoding between the two.
+    """
+
+    rng: str
+    key: int
+    step: int
+    stream: int = 0
+    offset: int = 0
+
+    @classmethod
+    def of(cls, rng: str, seed, step, stream=0, offset=0) -> NoiseKey:
+        """Validated: any integer type for the counter fields (bools refused), each in its field's
+        range, so NumPy ints never reach the kernels; ``seed=None`` draws a fresh key of the
+        generator's size from the OS CSPRNG."""
+        _check_rng(rng)
+        if rng == "chacha20":
+            key = fresh_key() if seed is None else chacha20_key(seed)
+        else:
+            key = fresh_seed() if seed is None else integer("seed", seed, low=0, high=2**64)
+        fields = {"step": step, "stream": stream, "offset": offset}
+        counter = [integer(n, v, low=0, high=2 ** _COUNTER_BITS[n]) for n, v in fields.items()]
+        return cls(rng, key, *counter)
+
+    def limbs(self) -> list[int]:
+        """The key as signed int64 limbs, limb j = bits 64j .. 64j + 63: one for Philox, four for ChaCha20."""
+        return [_signed64((self.key >> (64 * j)) % 2**64) for j in range(4 if self.rng == "chacha20" else 1)]
+
+    def schema(self) -> tuple[str, list[int], int, int, int]:
+        """``(rng, limbs, step, stream, offset)``, the arguments of a registered op."""
+        return self.rng, self.limbs(), self.step, self.stream, self.offset
+
+    @classmethod
+    def from_schema(cls, rng: str, limbs: list[int], step: int, stream: int, offset: int) -> NoiseKey:
+        return cls(rng, sum((v % 2**64) << (64 * j) for j, v in enumerate(limbs)), step, stream, offset)
+
+    def at(self, offset: int) -> NoiseKey:
+        return self._replace(offset=offset)
 
 
-def _from_limbs(limbs: list[int]) -> int:
-    return sum(_unsigned64(v) << (64 * j) for j, v in enumerate(limbs))
-
-
-def _counter_key(rng: str, seed, step, stream, offset) -> tuple[list[int], int, int, int]:
-    """Validate the counter fields: ``(key, step, stream, offset)``, the schema key (``[seed]`` or 4
-    ChaCha20 limbs) and the rest as Python ints. ``seed=None`` draws a fresh key of the generator's
-    size from the OS CSPRNG."""
-    _check_rng(rng)
-    if rng == "chacha20":
-        key = fresh_key() if seed is None else chacha20_key(seed)
-        _, step, stream, offset = _check_counter(0, step, stream, offset)
-        return _limbs(key), step, stream, offset
-    seed, step, stream, offset = _check_counter(fresh_seed() if seed is None else seed, step, stream, offset)
-    return [_signed64(seed)], step, stream, offset
+def _check_counter(seed, step, stream, offset) -> tuple[int, int, int, int]:
+    """``(seed, step, stream, offset)`` of a Philox key, validated as :meth:`NoiseKey.of` does."""
+    return NoiseKey.of("philox", seed, step, stream, offset)[1:]
 
 
 def _check_std(std, name: str = "std") -> float:
@@ -118,100 +132,124 @@ def _check_std(std, name: str = "std") -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Backends
+# The noise family: words (raw generator output), fill (std·z) and add (t += std·z) of one
+# NoiseKey on every backend. A ChaCha20 normal is float64 and std·z (+ t) is rounded once.
 # --------------------------------------------------------------------------------------------
 
 
-def _triton():
-    from .triton_kernels import noise as triton_noise
-
-    return triton_noise
-
-
-def _words(out: Tensor, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str) -> None:
-    """``key``: ``[seed]`` (Philox, signed 64-bit) or the 4 signed limbs of a ChaCha20 key."""
-    if rng == "chacha20":
-        if backend == "reference":
-            words = ref.chacha20_uint32(
-                out.numel(), key=_from_limbs(key), step=step, stream=stream, offset=offset, device=out.device
-            )
-            out.copy_(words)
-        elif backend == "triton":
-            _triton().chacha20_uint32_(out, _from_limbs(key), step, stream, offset)
+class _ReferenceNoise:
+    @staticmethod
+    def words(out: Tensor, k: NoiseKey) -> None:
+        if k.rng == "chacha20":
+            words = ref.chacha20_uint32(out.numel(), key=k.key, step=k.step, stream=k.stream, offset=k.offset)
         else:
-            torch.ops.dpkernels_C.chacha20_uint32_(out, key, step, stream, offset)
-        return
-    seed = _unsigned64(key[0])
-    if backend == "reference":
-        out.copy_(ref.philox_uint32(out.numel(), seed=seed, step=step, stream=stream, offset=offset, device=out.device))
-    elif backend == "triton":
-        _triton().philox_uint32_(out, seed, step, stream, offset)
-    else:
-        torch.ops.dpkernels_C.philox_uint32_(out, _signed64(seed), step, stream, offset)
+            words = ref.philox_uint32(out.numel(), seed=k.key, step=k.step, stream=k.stream, offset=k.offset)
+        out.copy_(words)
+
+    @staticmethod
+    def normals(numel: int, k: NoiseKey, device) -> Tensor:
+        """N(0, 1) of elements ``[offset, offset + numel)``: fp32 (Philox) or float64 (ChaCha20)."""
+        counter = dict(step=k.step, stream=k.stream, offset=k.offset, device=device)
+        if k.rng == "chacha20":
+            return ref.chacha20_standard_normal(numel, key=k.key, **counter)
+        return ref.standard_normal(numel, seed=k.key, **counter)
+
+    @classmethod
+    def fill(cls, out: Tensor, std: float, k: NoiseKey) -> None:
+        out.copy_(cls._noised(None, std * cls.normals(out.numel(), k, out.device).view_as(out), k, out.dtype))
+
+    @classmethod
+    def add(cls, tensors: list[Tensor], std: float, k: NoiseKey) -> None:
+        z = cls.normals(sum(t.numel() for t in tensors), k, tensors[0].device)
+        for t, part in zip(tensors, torch.split(z, [t.numel() for t in tensors]), strict=True):
+            t.copy_(cls._noised(t, std * part.view_as(t), k, t.dtype))
+
+    @staticmethod
+    def _noised(t: Tensor | None, nu: Tensor, k: NoiseKey, dtype: torch.dtype) -> Tensor:
+        if k.rng == "chacha20":  # float64, one rounding
+            return ref.round_once(nu if t is None else t.double() + nu, dtype)
+        return (nu if t is None else t.float() + nu).to(dtype)
 
 
-def _reference_normals(numel: int, rng: str, key: list[int], step: int, stream: int, offset: int, device) -> Tensor:
-    if rng == "chacha20":
-        return ref.chacha20_standard_normal(
-            numel, key=_from_limbs(key), step=step, stream=stream, offset=offset, device=device
-        )
-    return ref.standard_normal(numel, seed=_unsigned64(key[0]), step=step, stream=stream, offset=offset, device=device)
+class _NativeNoise:
+    """``torch.ops.dpkernels_C`` (csrc/cpu/noise.cpp, csrc/cuda/noise.cu): one op per generator."""
+
+    @staticmethod
+    def words(out: Tensor, k: NoiseKey) -> None:
+        ops = torch.ops.dpkernels_C
+        if k.rng == "chacha20":
+            ops.chacha20_uint32_(out, k.limbs(), k.step, k.stream, k.offset)
+        else:
+            ops.philox_uint32_(out, k.limbs()[0], k.step, k.stream, k.offset)
+
+    @staticmethod
+    def fill(out: Tensor, std: float, k: NoiseKey) -> None:
+        ops = torch.ops.dpkernels_C
+        if k.rng == "chacha20":
+            ops.chacha20_gaussian_fill_(out, std, k.limbs(), k.step, k.stream, k.offset)
+        else:
+            ops.gaussian_fill_(out, std, k.limbs()[0], k.step, k.stream, k.offset)
+
+    @staticmethod
+    def add(tensors: list[Tensor], std: float, k: NoiseKey) -> None:
+        ops = torch.ops.dpkernels_C
+        if k.rng == "chacha20":
+            ops.chacha20_add_gaussian_noise_(tensors, std, k.limbs(), k.step, k.stream, k.offset)
+        else:
+            ops.add_gaussian_noise_(tensors, std, k.limbs()[0], k.step, k.stream, k.offset)
 
 
-def _chacha20_normals64(numel: int, key: list[int], step: int, stream: int, device, backend: str) -> Tensor:
+class _TritonNoise:
+    """triton_kernels/noise.py: one launcher per generator, keys as unsigned ints."""
+
+    @staticmethod
+    def words(out: Tensor, k: NoiseKey) -> None:
+        from .triton_kernels import noise as tn
+
+        (tn.chacha20_uint32_ if k.rng == "chacha20" else tn.philox_uint32_)(out, k.key, k.step, k.stream, k.offset)
+
+    @staticmethod
+    def fill(out: Tensor, std: float, k: NoiseKey) -> None:
+        from .triton_kernels import noise as tn
+
+        fill = tn.chacha20_gaussian_fill_ if k.rng == "chacha20" else tn.gaussian_fill_
+        fill(out, std, k.key, k.step, k.stream, k.offset)
+
+    @staticmethod
+    def add(tensors: list[Tensor], std: float, k: NoiseKey) -> None:
+        from .triton_kernels import noise as tn
+
+        add = tn.chacha20_add_gaussian_noise_ if k.rng == "chacha20" else tn.add_gaussian_noise_
+        add(tensors, std, k.key, k.step, k.stream, k.offset)
+
+
+NOISE = family(
+    "noise",
+    ("words", "fill", "add"),
+    reference=lambda: _ReferenceNoise,
+    cpu=lambda: _NativeNoise,
+    cuda=lambda: _NativeNoise,
+    triton=lambda: _TritonNoise,
+)
+
+
+def _chacha20_normals64(numel: int, k: NoiseKey, device, backend: str) -> Tensor:
     """float64 N(0, 1) of elements ``[0, numel)`` of the ChaCha20 stream (docs/RNG.md §6), for callers
     that must add the noise in float64 themselves: the backend's keystream words (the expensive
     part), then the reference's 53-bit uniforms and Box–Muller, so the values are those of
     :func:`dpkernels.reference.noise.chacha20_standard_normal` on every backend."""
     blocks = (numel + 7) // 8  # 8 normals per 16-word block
     words = torch.empty(16 * blocks, dtype=torch.int64, device=device)
-    _words(words, "chacha20", key, step, stream, 0, backend)
+    NOISE.kernels(backend).words(words, k.at(0))
     return ref.chacha20_block_normals(words.view(blocks, 16))[:numel]
 
 
-def _add_noise(
-    tensors: list[Tensor], std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str
-) -> None:
-    if backend == "reference":
-        total = sum(t.numel() for t in tensors)
-        z = _reference_normals(total, rng, key, step, stream, offset, tensors[0].device)
-        for t, part in zip(tensors, torch.split(z, [t.numel() for t in tensors]), strict=True):
-            if rng == "chacha20":  # float64 sum, one rounding
-                t.copy_(ref.round_once(t.double() + std * part.view_as(t), t.dtype))
-            else:
-                t.copy_((t.float() + std * part.view_as(t)).to(t.dtype))
-    elif rng == "chacha20":
-        if backend == "triton":
-            _triton().chacha20_add_gaussian_noise_(tensors, std, _from_limbs(key), step, stream, offset)
-        else:
-            torch.ops.dpkernels_C.chacha20_add_gaussian_noise_(tensors, std, key, step, stream, offset)
-    elif backend == "triton":
-        _triton().add_gaussian_noise_(tensors, std, _unsigned64(key[0]), step, stream, offset)
-    else:
-        torch.ops.dpkernels_C.add_gaussian_noise_(tensors, std, key[0], step, stream, offset)
-
-
-def _fill(out: Tensor, std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str) -> None:
-    if backend == "reference":
-        z = _reference_normals(out.numel(), rng, key, step, stream, offset, out.device)
-        out.copy_(ref.round_once(std * z, out.dtype).view_as(out) if rng == "chacha20" else (std * z).view_as(out))
-    elif rng == "chacha20":
-        if backend == "triton":
-            _triton().chacha20_gaussian_fill_(out, std, _from_limbs(key), step, stream, offset)
-        else:
-            torch.ops.dpkernels_C.chacha20_gaussian_fill_(out, std, key, step, stream, offset)
-    elif backend == "triton":
-        _triton().gaussian_fill_(out, std, _unsigned64(key[0]), step, stream, offset)
-    else:
-        torch.ops.dpkernels_C.gaussian_fill_(out, std, key[0], step, stream, offset)
-
-
-@torch.library.custom_op("dpkernels::random_uint32", mutates_args=())
+@custom_op("random_uint32", mutates_args=())
 def _uint32_op(
     numel: int, rng: str, key: list[int], step: int, stream: int, offset: int, device: torch.device, backend: str
 ) -> Tensor:
     out = torch.empty(numel, dtype=torch.int64, device=device)
-    _words(out, rng, key, step, stream, offset, backend)
+    NOISE.kernels(backend).words(out, NoiseKey.from_schema(rng, key, step, stream, offset))
     return out
 
 
@@ -220,13 +258,13 @@ def _(numel, rng, key, step, stream, offset, device, backend):
     return torch.empty(numel, dtype=torch.int64, device=device)
 
 
-@torch.library.custom_op("dpkernels::gaussian_noise", mutates_args=())
+@custom_op("gaussian_noise", mutates_args=())
 def _gaussian_noise_op(
     shape: list[int], std: float, rng: str, key: list[int], step: int, stream: int, offset: int,
     dtype: torch.dtype, device: torch.device, backend: str,
 ) -> Tensor:  # fmt: skip
     out = torch.empty(shape, dtype=dtype, device=device)
-    _fill(out, std, rng, key, step, stream, offset, backend)
+    NOISE.kernels(backend).fill(out, std, NoiseKey.from_schema(rng, key, step, stream, offset))
     return out
 
 
@@ -235,11 +273,11 @@ def _(shape, std, rng, key, step, stream, offset, dtype, device, backend):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@torch.library.custom_op("dpkernels::add_gaussian_noise_", mutates_args=("tensors",))
+@custom_op("add_gaussian_noise_", mutates_args=("tensors",))
 def _add_gaussian_noise_op(
     tensors: list[Tensor], std: float, rng: str, key: list[int], step: int, stream: int, offset: int, backend: str
 ) -> None:
-    _add_noise(tensors, std, rng, key, step, stream, offset, backend)
+    NOISE.kernels(backend).add(tensors, std, NoiseKey.from_schema(rng, key, step, stream, offset))
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,11 +292,7 @@ def philox_uint32(
 
     For audits and tests: these words are bit-identical on every backend.
     """
-    seed, step, stream, offset = _check_counter(seed, step, stream, offset)
-    device = torch.device(device)
-    return _uint32_op(
-        int(numel), "philox", [_signed64(seed)], step, stream, offset, device, _backend.resolve(backend, device)
-    )
+    return _words("philox", numel, seed, step, stream, offset, device, backend)
 
 
 def chacha20_uint32(
@@ -269,9 +303,13 @@ def chacha20_uint32(
     ``seed``: the 256-bit key, an int in [0, 2²⁵⁶) or 32 bytes (RFC 8439 byte order). Element ``e``
     takes word ``e % 16`` of block ``e // 16`` (docs/RNG.md §6); bit-identical on every backend.
     """
-    key, step, stream, offset = _counter_key("chacha20", seed, step, stream, offset)
+    return _words("chacha20", numel, seed, step, stream, offset, device, backend)
+
+
+def _words(rng, numel, seed, step, stream, offset, device, backend) -> Tensor:
+    k = NoiseKey.of(rng, seed, step, stream, offset)
     device = torch.device(device)
-    return _uint32_op(int(numel), "chacha20", key, step, stream, offset, device, _backend.resolve(backend, device))
+    return _uint32_op(integer("numel", numel, low=0), *k.schema(), device, _backend.resolve(backend, device))
 
 
 def gaussian_noise(
@@ -301,10 +339,9 @@ def gaussian_noise(
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
     std = _check_std(std)
-    key, step, stream, offset = _counter_key(rng, seed, step, stream, offset)
+    k = NoiseKey.of(rng, seed, step, stream, offset)
     device = torch.device(device)
-    backend = _backend.resolve(backend, device)
-    return _gaussian_noise_op(shape, std, rng, key, step, stream, offset, dtype, device, backend)
+    return _gaussian_noise_op(shape, std, *k.schema(), dtype, device, _backend.resolve(backend, device))
 
 
 def add_gaussian_noise_(
@@ -328,7 +365,7 @@ def add_gaussian_noise_(
     if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence) or len(tensors) == 0:
         raise TypeError("tensors must be a non-empty list of tensors")
     std = _check_std(std)
-    key, step, stream, offset = _counter_key(rng, seed, step, stream, offset)
+    k = NoiseKey.of(rng, seed, step, stream, offset)
     device = tensors[0].device
     for idx, t in enumerate(tensors):
         if not isinstance(t, Tensor) or t.dtype not in _FLOAT_DTYPES:
@@ -337,5 +374,5 @@ def add_gaussian_noise_(
             raise ValueError(f"tensors[{idx}] is on {t.device} but tensors[0] is on {device}")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{idx}] must be contiguous (noise is written in place)")
-    _add_gaussian_noise_op(list(tensors), std, rng, key, step, stream, offset, _backend.resolve(backend, device))
+    _add_gaussian_noise_op(list(tensors), std, *k.schema(), _backend.resolve(backend, device))
     return list(tensors)

@@ -393,7 +393,6 @@ def test_native_pipeline_equals_its_stages(backend_device, opts):
     backend, device = backend_device
     if backend not in ("cpu", "cuda"):
         pytest.skip("one native op on the cpu and cuda backends only")
-    from dpkernels.clip import _native_kernels
 
     opts = dict(opts)
     coeffs = opts.pop("coeffs", [1.0])
@@ -408,9 +407,11 @@ def test_native_pipeline_equals_its_stages(backend_device, opts):
         grad_samples, 0.8, mode=mode, shift=shift, per_layer=per_layer, coeffs=coeffs, backend=backend
     )
     C = [0.8] * len(sets[0]) if per_layer else 0.8
-    want_sums, want_norms = ref.clip_and_accumulate(
-        sets, C, coeffs, mode, r, shift, None, per_layer, "raise", kernels=_native_kernels()
-    )
+    native = dpkernels.clip.CLIP.kernels(backend)
+    staged = dpkernels.clip._StagedClip(native)  # the reference's composition of the native stages
+    flat = [g for gs in sets for g in gs]
+    Cs = C if per_layer else [C]
+    want_sums, want_norms, _ = staged.pipeline(flat, coeffs, Cs, mode, r, shift or [], [], per_layer, "raise")
     torch.testing.assert_close(norms, want_norms, rtol=2**-23, atol=0)
     for a, b in zip(sums, want_sums, strict=True):
         torch.testing.assert_close(a, b, rtol=2**-22, atol=1e-7)
@@ -427,41 +428,23 @@ def _pipeline_args(grads, **overrides):
 
 def _native_only(backend):
     if backend not in ("cpu", "cuda"):
-        pytest.skip("the eager entry of the native op: cpu and cuda backends only")
+        pytest.skip("the native op: cpu and cuda backends only")
 
 
-@pytest.mark.parametrize("epilogue", [{}, {"rng": "philox", "noise_std": 0.5, "key": [123], "step": 3},
-                                      {"per_layer": True, "mode": "psac", "r": 0.1, "out_scale": 0.25}])  # fmt: skip
-def test_eager_entry_is_the_registered_op(backend_device, epilogue):
-    """dpkernels._C.clip_pipeline (csrc/python.cpp) calls the same registered op as torch.ops, so
-    both give bitwise the same sums, norms and weights."""
-    backend, device = backend_device
-    _native_only(backend)
-    g = make_grads(SHAPE_LISTS["mixed"], 6, torch.float32, device)
-    g[1][2] *= 1e4
-    eager = dpkernels._backend.extension().clip_pipeline(*_pipeline_args(g, **epilogue))
-    boxed = torch.ops.dpkernels_C.clip_pipeline(*_pipeline_args(g, **epilogue))
-    assert type(eager) is tuple and type(eager[0]) is list and len(eager[0]) == len(g)
-    for a, b in zip([*eager[0], *eager[1:]], [*boxed[0], *boxed[1:]], strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
-def test_eager_entry_raises_as_the_op(backend_device):
+def test_native_op_raises(backend_device):
     backend, device = backend_device
     _native_only(backend)
     g = make_grads(SHAPE_LISTS["mixed"], 5, torch.float32, device)
     g[0][3, 0] = float("nan")
-    for call in (dpkernels._backend.extension().clip_pipeline, torch.ops.dpkernels_C.clip_pipeline):
-        with pytest.raises(
-            ValueError, match=r"non-finite per-sample gradient for 1 sample\(s\) at batch indices \[3\]"
-        ):
-            call(*_pipeline_args(g))
-        with pytest.raises(RuntimeError, match=r"grads\[1\] must be \[B=5"):
-            call(*_pipeline_args([g[0], g[1][:4]]))
+    call = torch.ops.dpkernels_C.clip_pipeline
+    with pytest.raises(ValueError, match=r"non-finite per-sample gradient for 1 sample\(s\) at batch indices \[3\]"):
+        call(*_pipeline_args(g))
+    with pytest.raises(RuntimeError, match=r"grads\[1\] must be \[B=5"):
+        call(*_pipeline_args([g[0], g[1][:4]]))
 
 
 class _Tagged(torch.Tensor):
-    """A tensor subclass with the default __torch_function__: the eager entry must not bypass it."""
+    """A tensor subclass with the default __torch_function__: the fast path must not bypass it."""
 
 
 def _recording_mode(base, hook):
@@ -477,21 +460,18 @@ def _recording_mode(base, hook):
     return mode
 
 
-def test_eager_entry_declines_torch_function(backend_device):
-    """For a tensor subclass, or under a torch-function mode, the eager entry answers None and
-    clip_and_accumulate goes through torch.ops, where __torch_function__ sees the op."""
+def test_fast_path_keeps_torch_function(backend_device):
+    """For a tensor subclass, or under a torch-function mode, clip_and_accumulate's call of the
+    native op goes through torch.ops, where __torch_function__ sees it."""
     backend, device = backend_device
     _native_only(backend)
     g = make_grads(SHAPE_LISTS["mixed"], 4, torch.float32, device)
     want_sums, want_norms = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
-    entry = dpkernels._backend.extension().clip_pipeline
     tagged = g[:-1] + [g[-1].as_subclass(_Tagged)]
-    assert entry(*_pipeline_args(tagged)) is None
     sums, norms = dpkernels.clip_and_accumulate(tagged, 0.8, backend=backend)
     assert torch.equal(norms, want_norms) and all(torch.equal(a, b) for a, b in zip(sums, want_sums, strict=True))
     mode = _recording_mode(torch.overrides.TorchFunctionMode, "__torch_function__")
     with mode:
-        assert entry(*_pipeline_args(g)) is None
         sums, norms = dpkernels.clip_and_accumulate(g, 0.8, backend=backend)
     assert (
         torch.ops.dpkernels_C.clip_pipeline.default in mode.calls or torch.ops.dpkernels_C.clip_pipeline in mode.calls
@@ -499,9 +479,9 @@ def test_eager_entry_declines_torch_function(backend_device):
     assert torch.equal(norms, want_norms) and all(torch.equal(a, b) for a, b in zip(sums, want_sums, strict=True))
 
 
-def test_eager_entry_goes_through_the_dispatcher(backend_device):
-    """The eager entry skips only torch.ops' boxing: a torch-dispatch mode and the profiler still
-    see dpkernels_C::clip_pipeline."""
+def test_fast_path_goes_through_the_dispatcher(backend_device):
+    """The eager fast path skips only the dpkernels:: wrapper: a torch-dispatch mode and the
+    profiler still see dpkernels_C::clip_pipeline."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     backend, device = backend_device

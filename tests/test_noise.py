@@ -344,7 +344,7 @@ def _opcheck(op, args):
 def test_opcheck_secure_mode_ops(backend_device):
     """The public ops with rng="chacha20" and the native secure-mode ops pass torch.library.opcheck."""
     backend, device = backend_device
-    key = noise._limbs(KEY["chacha20"])
+    key = noise.NoiseKey("chacha20", KEY["chacha20"], 0).limbs()
     dev = torch.device(device)
     ops = torch.ops.dpkernels
     _opcheck(ops.random_uint32.default, (37, "chacha20", key, 3, 1, 5, dev, backend))

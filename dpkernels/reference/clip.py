@@ -21,14 +21,11 @@ exact to fp32 rounding and cannot overflow for any finite gradient.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 
 import torch
 
 from .noise import chacha20_standard_normal, round_once, standard_normal
-
-_THIS_MODULE = sys.modules[__name__]
 
 CLIP_MODES = ("clip", "auto_s", "auto_v", "psac")
 
@@ -172,6 +169,31 @@ def weighted_sum(
     return sums
 
 
+def norms_of_sumsq(
+    sumsq: torch.Tensor, per_layer: bool = False, nonfinite: str = "raise", norm_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n, bad)``: fp64 norms ``[B]`` (or ``[B, L]`` per layer) from the sums of squares ``[B, L]``,
+    and the bool ``[B]`` of samples with a non-finite gradient (which raise under
+    ``nonfinite="raise"``).
+
+    ``norm_scale`` multiplies the norms: a scale vector known only up to a global factor
+    (DP-MacAdam's ``1/b = (1/b_u)/bscale``) is applied as its per-element part, the factor here.
+    """
+    bad = ~torch.isfinite(sumsq).all(dim=1)
+    check_nonfinite(bad, nonfinite)
+    norms = (sumsq if per_layer else sumsq.sum(dim=1)).sqrt()
+    return (norms * norm_scale if norm_scale != 1.0 else norms), bad
+
+
+def weights_of_factors(w: torch.Tensor, bad: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-sample, per-tensor weights ``[B, L]`` in ``dtype`` from the clip factors ``w`` (``[B]``,
+    broadcast over tensors, or ``[B, L]``): 0 for a ``bad`` sample, fp32 rounded toward zero."""
+    w = torch.where(bad if w.dim() == 1 else bad[:, None], 0.0, w)
+    if w.dim() == 1:
+        w = w[:, None].expand(-1, L)
+    return (w if dtype == torch.float64 else round_weights(w)).contiguous()
+
+
 def clip_weights(
     grad_sets: Sequence[Sequence[torch.Tensor]],
     max_grad_norm: float | Sequence[float],
@@ -182,42 +204,24 @@ def clip_weights(
     scale: Sequence[torch.Tensor] | None = None,
     per_layer: bool = False,
     nonfinite: str = "raise",
-    kernels=None,
     norm_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stages 1–2: ``(w, n)`` with per-sample, per-tensor weights ``w`` ``[B, L]`` and norms ``n``.
-
-    ``norm_scale`` multiplies the norms before the weights are formed: a scale vector known only
-    up to a global factor (DP-MacAdam's ``1/b = (1/b_u)/bscale``) is passed as its per-element
-    part, the factor here.
-
-    ``w = clip_factors(n)`` (broadcast over tensors for flat clipping). A sample with a non-finite
-    gradient raises (``nonfinite="raise"``) or gets weight 0 (``"drop"``). ``kernels`` is the
-    module that provides ``per_sample_sumsq`` and ``clip_factors``: this module for the
-    reference, a backend otherwise; every backend runs this same composition.
-    """
-    kernels = kernels or _THIS_MODULE
-    sumsq = kernels.per_sample_sumsq(grad_sets, coeffs, shift, scale)
-    bad = ~torch.isfinite(sumsq).all(dim=1)
-    check_nonfinite(bad, nonfinite)
-    norms64 = (sumsq if per_layer else sumsq.sum(dim=1)).sqrt()
-    if norm_scale != 1.0:
-        norms64 = norms64 * norm_scale
-    w = kernels.clip_factors(norms64, max_grad_norm, mode, r)
-    w = torch.where(bad if w.dim() == 1 else bad[:, None], 0.0, w)
-    if w.dim() == 1:
-        w = w[:, None].expand(-1, sumsq.shape[1])
-    out_dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
-    w = w if out_dtype == torch.float64 else round_weights(w)
-    return w.contiguous(), norms64.to(out_dtype)
+    """Stages 1–2: ``(w, n)`` with per-sample, per-tensor weights ``w`` ``[B, L]`` and norms ``n``:
+    :func:`per_sample_sumsq`, :func:`norms_of_sumsq`, :func:`clip_factors` (broadcast over tensors
+    for flat clipping), :func:`weights_of_factors`. The staged backends (triton) run this same
+    composition with their own stages (``dpkernels.clip``)."""
+    sumsq = per_sample_sumsq(grad_sets, coeffs, shift, scale)
+    norms, bad = norms_of_sumsq(sumsq, per_layer, nonfinite, norm_scale)
+    dtype = _compute_dtype(*(g for gs in grad_sets for g in gs))
+    w = weights_of_factors(clip_factors(norms, max_grad_norm, mode, r), bad, sumsq.shape[1], dtype)
+    return w, norms.to(dtype)
 
 
 def clip_and_accumulate(grad_sets, max_grad_norm, coeffs=(1.0,), mode="clip", r=0.0, shift=None, scale=None,
-                        per_layer=False, nonfinite="raise", kernels=None):  # fmt: skip
+                        per_layer=False, nonfinite="raise"):  # fmt: skip
     """``(S, n)``: ``S^(l) = Σ_i c_i v_i^(l)`` over the raw gradients, ``c`` from :func:`clip_weights`."""
-    kernels = kernels or _THIS_MODULE
-    w, norms = clip_weights(grad_sets, max_grad_norm, coeffs, mode, r, shift, scale, per_layer, nonfinite, kernels)
-    return kernels.weighted_sum(grad_sets, w, coeffs), norms
+    w, norms = clip_weights(grad_sets, max_grad_norm, coeffs, mode, r, shift, scale, per_layer, nonfinite)
+    return weighted_sum(grad_sets, w, coeffs), norms
 
 
 def privatized_sum(
