@@ -1,6 +1,6 @@
 """Per-sample clipping: norms, clip weights and the clipped sum, on every backend.
 
-The three stages of DESIGN.md §2, each a registered ``torch.library`` op in the ``dpkernels``
+The three stages of the clipping pipeline (docs/ALGORITHMS.md, "Per-sample clipping"), each a registered ``torch.library`` op in the ``dpkernels``
 namespace, plus the fused pipeline ``clip_and_accumulate``:
 
 1. ``per_sample_norms``: ``n_i = ‖(Σ_j α_j g_i^(j) − shift) ⊙ scale‖₂``, flat or per layer.
@@ -13,7 +13,8 @@ weights, and the sum pass with its noise epilogue in a single call, so a list of
 tensors crosses the Python/dispatcher boundary once.
 
 Inputs are Opacus-style per-sample gradients: a list of ``[B, *param_shape]`` tensors (fp32, fp16
-or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum (seeds/002), a list
+or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum ("Enhancing DPSGD via Per-Sample Momentum and Low-Pass
+Filtering", arXiv:2511.08841), a list
 of ``k`` such lists with ``coeffs=[α_1..α_k]``. Non-contiguous tensors are copied to contiguous
 memory before the kernels run (one extra copy of that tensor).
 """
@@ -35,7 +36,8 @@ from .reference import clip as ref
 from .reference.noise import round_once
 
 CLIP_MODES = ref.CLIP_MODES
-# Defaults for r: DP-PSAC recommends r = 0.1 (seeds/003 §B.4); Auto-S uses 0.01 as fastDP does.
+# Defaults for r: DP-PSAC recommends r = 0.1 ("Differentially Private Learning with Per-Sample Adaptive
+# Clipping", arXiv:2212.00328); Auto-S uses 0.01 as fastDP does.
 DEFAULT_R = {"auto_s": 0.01, "psac": 0.1}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -747,7 +749,7 @@ def clip_and_accumulate(
 
     ``norms = per_sample_norms(...)``, ``c = clip_factors(norms, ...)`` and
     ``sums[l] = Σ_i c_i Σ_j α_j g_i^(j,l)`` over the raw gradients (shift/scale only enter the
-    norm; DESIGN.md §2). Reads the per-sample gradients twice and writes ``D`` fp32 values.
+    norm; docs/ALGORITHMS.md). Reads the per-sample gradients twice and writes ``D`` fp32 values.
 
     Args: as :func:`per_sample_norms` and :func:`clip_factors`, plus
         nonfinite: ``"raise"`` (default) raises ``ValueError`` naming the samples whose gradient

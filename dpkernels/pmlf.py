@@ -1,4 +1,5 @@
-"""Per-sample gradients at several parameter states, for DP-PMLF's per-sample momentum (seeds/002).
+"""Per-sample gradients at several parameter states, for DP-PMLF's per-sample momentum ("Enhancing DPSGD
+via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841).
 
 DP-PMLF combines, for every sample of the current batch, its gradients at the last ``k`` iterates
 ``x_t, x_{t−1}, ..., x_{t−k+1}``. The batch was generally not drawn at the earlier steps, so those

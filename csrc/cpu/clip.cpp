@@ -229,7 +229,7 @@ struct SumTask {
 };
 
 // What happens to a finished accumulator chunk: out = (acc + noise) * scale, where noise is
-// std * z(global index) from Philox (DESIGN.md §3: generated in the pass that writes the result,
+// std * z(global index) from Philox (docs/RNG.md: generated in the pass that writes the result,
 // never stored), a pre-drawn tensor, or nothing (plain weighted sum, scale 1). Secure mode
 // (chacha): out = float(double(acc) + std64 * z) * scale with z the float64 ChaCha20 normal.
 struct SumEpilogue {
@@ -406,7 +406,7 @@ std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<doub
 // ---------------------------------------------------------------------------------------------
 // clip_pipeline: the three stages in one call (clip_and_accumulate, privatize and the optimizers'
 // clipped sums), so that a list of hundreds of small tensors crosses the Python/dispatcher
-// boundary once (DESIGN.md §2).
+// boundary once (docs/ALGORITHMS.md, "Per-sample clipping").
 // ---------------------------------------------------------------------------------------------
 
 // The sum pass's epilogue for a pipeline call: pre-drawn noise, Philox or ChaCha20 noise of std

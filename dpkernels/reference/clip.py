@@ -8,10 +8,11 @@ Notation (shapes per parameter tensor ``l`` of ``L``):
 - ``g_i^(j,l)``: per-sample gradient of sample ``i`` in gradient set ``j`` (``k`` sets), stored
   as a tensor ``[B, *param_shape]`` (Opacus's ``p.grad_sample`` layout).
 - ``v_i^(l) = Σ_j α_j g_i^(j,l)``: the combined per-sample gradient (DP-PMLF per-sample momentum,
-  seeds/002; ``k = 1`` and ``α = [1]`` otherwise).
+  "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841; ``k = 1`` and ``α = [1]`` otherwise).
 - ``n_i = ‖(v_i − shift) ⊙ scale‖₂`` over all tensors together (flat), or per tensor
-  (``per_layer=True``); ``shift``/``scale`` come from DP-MacAdam (seeds/000) and
-  scale-then-privatize (seeds/001).
+  (``per_layer=True``); ``shift``/``scale`` come from DP-MacAdam ("DP-MacAdam: Differentially Private
+  Mechanism with Adaptive Clipping and Adaptive Momentum", arXiv:2606.05435) and scale-then-privatize
+  ("On Design Principles for Private Adaptive Optimizers", Ganesh, McMahan, Thakurta).
 
 Numerics, shared by every backend: the combination and the shift/scale are computed in fp32
 (fp64 when the input is fp64, reference only); squares are accumulated in fp64, so a norm is
@@ -99,8 +100,8 @@ def clip_factors(
     - ``clip``:   ``min(1, C / (n + 1e-6))``           DP-SGD (Abadi et al.), Opacus's guard
     - ``auto_s``: ``C / (n + r)``                      Auto-S / NSGD (Bu et al.; Yang et al.)
     - ``auto_v``: ``C / max(n, 1e-12)``                Auto-V, pure normalisation
-    - ``psac``:   ``C / (n + r / (n + r))``            DP-PSAC (seeds/003, nested form: the
-      denominator is ≥ 2√r − r > 0, so no guard is needed even at n = 0)
+    - ``psac``:   ``C / (n + r / (n + r))``            DP-PSAC (arXiv:2212.00328), nested form: the
+      denominator is ≥ 2√r − r > 0, so no guard is needed even at n = 0
 
     ``max_grad_norm`` broadcasts against ``norms`` (a scalar, or ``[L]`` for per-layer norms).
     Every mode has ``c · n ≤ C`` in exact arithmetic. ``f`` is evaluated in fp64 (``C`` and ``r``

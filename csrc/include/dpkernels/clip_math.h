@@ -76,7 +76,7 @@ DPK_HOST_DEVICE inline T shift_scale(T v, T shift, T scale) {
   return v;
 }
 
-// Stage 2 of the pipeline for one sample (DESIGN.md §2), from its per-tensor sums of squares
+// Stage 2 of the pipeline for one sample (docs/ALGORITHMS.md), from its per-tensor sums of squares
 // s[0, L): the norms (flat: one, sqrt(Σ_l s_l); per layer: L, sqrt(s_l)), each times norm_scale,
 // and the weight of every tensor, w_l = clip_weight(n, C) with C = bounds[0] (flat) or bounds[l].
 // The weights are formed in double, as the reference forms them from its fp64 norms, then rounded
