@@ -1,7 +1,7 @@
 """``clip_and_accumulate`` per provider and shape, as pytest-benchmark tests.
 
 The same shapes, gradients and providers as ``dpkernels bench`` (all built by
-:mod:`dpkernels.bench`): each dpkernels backend usable on CPU (triton is skipped, its
+:mod:`dpkernels.bench.clip`): each dpkernels backend usable on CPU (triton is skipped, its
 interpreter's timing means nothing), the eager reference, ``torch.compile`` of it (compilation
 happens in the untimed warm-up rounds; left out with ``--bench-quick``), Opacus's
 ``DPOptimizer.clip_and_accumulate``, and the copy/read bandwidth baselines on a buffer of the
@@ -17,34 +17,30 @@ interleaving, percentages of same-run bandwidth, errors and peak memory.
 
 import pytest
 
-from dpkernels import bench
+from dpkernels.bench._timing import bandwidth_providers
+from dpkernels.bench.clip import clip_providers
+from dpkernels.bench.shapes import SHAPES
 
 PROVIDERS = ("cpu", "triton", "reference", "reference+compile", "opacus", "copy", "read")
 # Shape-major order, so each shape's gradients are built once (see grad_inputs in conftest.py).
-CASES = [(s, p) for s in bench.SHAPES for p in PROVIDERS]
+CASES = [(s, p) for s in SHAPES for p in PROVIDERS]
 
 
 @pytest.mark.parametrize(("shape_name", "provider"), CASES, ids=[f"{s}-{p}" for s, p in CASES])
-def test_clip_and_accumulate(benchmark, grad_inputs, bench_quick, bench_rounds, shape_name, provider):
+def test_clip_and_accumulate(time_provider, grad_inputs, bench_quick, shape_name, provider):
     shape, grads, max_grad_norm = grad_inputs(shape_name)
     if provider in ("copy", "read"):
-        candidates = bench.bandwidth_providers(shape.grad_bytes)
+        candidates = bandwidth_providers(shape.grad_bytes)
     else:
         skip = "--bench-quick leaves out torch.compile (cold compilation takes minutes)"
         skip = skip if bench_quick else None
-        candidates = bench.clip_providers(shape, grads, max_grad_norm, compile_skip=skip)
+        candidates = clip_providers(shape, grads, max_grad_norm, compile_skip=skip)
     p = next(c for c in candidates if c.name == provider)
-    if p.skip is not None:
-        pytest.skip(p.skip)
-    benchmark.group = f"{shape.name} (B={shape.batch_size}, {shape.n_tensors} tensors)"
-    benchmark.extra_info.update(
+    time_provider(
+        p,
+        f"{shape.name} (B={shape.batch_size}, {shape.n_tensors} tensors)",
         shape=shape.name,
         batch_size=shape.batch_size,
         n_tensors=shape.n_tensors,
         n_params=shape.n_params,
-        bytes_moved=p.bytes_moved,
-        what=p.note,
     )
-    benchmark.pedantic(p.call, setup=p.prepare, rounds=bench_rounds, warmup_rounds=2, iterations=1)
-    if benchmark.stats is not None:  # None under --benchmark-disable
-        benchmark.extra_info["gbps"] = p.bytes_moved / benchmark.stats.stats.median / 1e9

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from dpkernels import bench
+from dpkernels.bench.shapes import get_shape, make_grad_samples
 
 
 def pytest_addoption(parser):
@@ -40,10 +40,31 @@ def grad_inputs(bench_quick):
         if name not in cache:
             cache.clear()
             gc.collect()
-            shape = bench.get_shape(name, bench_quick)
-            grads, max_grad_norm = bench.make_grad_samples(shape)
+            shape = get_shape(name, bench_quick)
+            grads, max_grad_norm = make_grad_samples(shape)
             cache[name] = (shape, grads, max_grad_norm)
         return cache[name]
 
     yield get
     cache.clear()
+
+
+@pytest.fixture
+def time_provider(benchmark, bench_rounds):
+    """``time_provider(p, group, **info)``: time a ``dpkernels bench`` provider with ``benchmark.pedantic``.
+
+    ``bench_rounds`` single calls after 2 warm-up rounds, the provider's untimed ``prepare`` (e.g.
+    Opacus's state reset) as ``setup`` before each; skipped with the provider's reason. ``extra_info``
+    gets ``info``, the bytes a call must move, what it calls and the GB/s at the median.
+    """
+
+    def run(p, group: str, **info) -> None:
+        if p.skip is not None:
+            pytest.skip(p.skip)
+        benchmark.group = group
+        benchmark.extra_info.update(**info, bytes_moved=p.bytes_moved, what=p.note)
+        benchmark.pedantic(p.call, setup=p.prepare, rounds=bench_rounds, warmup_rounds=2, iterations=1)
+        if benchmark.stats is not None:  # None under --benchmark-disable
+            benchmark.extra_info["gbps"] = p.bytes_moved / benchmark.stats.stats.median / 1e9
+
+    return run

@@ -4,9 +4,10 @@ Subcommands:
 
 - ``bench``: time ``clip_and_accumulate``, the Gaussian generator and ``privatize`` on
   model-shaped gradient lists against the eager and compiled reference, Opacus, ``torch.normal``
-  and same-run memory bandwidth (see :mod:`dpkernels.bench` and :mod:`dpkernels.bench_noise`).
+  and same-run memory bandwidth, and the optimizer and training steps (see :mod:`dpkernels.bench`).
 - ``train``: private training of every algorithm on scikit-learn's digits at several ε, through
-  Opacus and ``make_private(algorithm=...)``; a table, a JSON file and a plot (see :mod:`dpkernels.train`).
+  Opacus and ``make_private(algorithm=...)``; a table, a JSON file and a plot (see
+  :mod:`dpkernels.bench.train`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def _name_list(what: str, choices):
     return parse
 
 
+def _subset_option(parser: argparse.ArgumentParser, flag: str, what: str, choices: Sequence[str]) -> None:
+    """``flag NAMES``: a comma-separated subset of ``choices``, all of them by default."""
+    parser.add_argument(
+        flag,
+        type=_name_list(what, choices),
+        default=list(choices),
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(choices)} (default: all)",
+    )
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -47,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpkernels", description="Fused kernels for DP training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from .bench import SECTIONS, SHAPES
+    from .bench._timing import SECTIONS
+    from .bench.shapes import SHAPES
 
     bench = sub.add_parser(
         "bench",
@@ -66,13 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="where to write the results (%(default)s)",
     )
-    bench.add_argument(
-        "--shapes",
-        type=_name_list("shape", SHAPES),
-        default=list(SHAPES),
-        metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join(SHAPES)} (default: all)",
-    )
+    _subset_option(bench, "--shapes", "shape", list(SHAPES))
     bench.add_argument(
         "--repeats",
         type=_positive_int,
@@ -80,13 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
     )
-    bench.add_argument(
-        "--sections",
-        type=_name_list("section", SECTIONS),
-        default=list(SECTIONS),
-        metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)",
-    )
+    _subset_option(bench, "--sections", "section", SECTIONS)
     bench.add_argument("--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)")
     bench.add_argument(
         "--threads",
@@ -123,8 +124,8 @@ def _positive_float_list(text: str) -> list[float]:
 
 
 def _add_train(sub) -> None:
+    from .bench.train import VARIANTS
     from .integrations._make_private import ALGORITHMS
-    from .train import VARIANTS
 
     train = sub.add_parser(
         "train",
@@ -139,13 +140,7 @@ def _add_train(sub) -> None:
         ),
     )
     train.add_argument("--quick", action="store_true", help="fewer epochs, seeds and learning rates (< 3 min)")
-    train.add_argument(
-        "--algorithms",
-        type=_name_list("algorithm", (*ALGORITHMS, *VARIANTS)),
-        default=[*ALGORITHMS, *VARIANTS],
-        metavar="NAMES",
-        help=f"comma-separated subset of: {', '.join((*ALGORITHMS, *VARIANTS))} (default: all)",
-    )
+    _subset_option(train, "--algorithms", "algorithm", (*ALGORITHMS, *VARIANTS))
     train.add_argument(
         "--epsilons", type=_positive_float_list, default=[1.0, 3.0, 8.0], metavar="LIST", help="(default 1,3,8)"
     )
@@ -165,7 +160,7 @@ def _add_train(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, run
+    from .bench.train import TrainConfig, run
 
     preset = TRAIN_QUICK if args.quick else TRAIN_FULL
     cfg = TrainConfig(
@@ -191,7 +186,8 @@ def _compile_skip(args: argparse.Namespace) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run
+    from .bench._timing import BenchConfig
+    from .bench.runner import run
 
     preset = QUICK if args.quick else FULL
     cfg = BenchConfig(

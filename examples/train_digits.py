@@ -4,7 +4,7 @@
 
 The only change to an Opacus training loop is the ``PrivacyEngine`` (dpkernels's subclass) and
 the ``algorithm=`` argument of ``make_private``; DP-PMLF's step also takes the batch. The full
-comparison of every algorithm at several ε is ``dpkernels train`` (dpkernels/train.py).
+comparison of every algorithm at several ε is ``dpkernels train`` (dpkernels/bench/train.py).
 """
 
 import argparse
@@ -14,8 +14,8 @@ from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dpkernels.bench.train import load_digits_split, make_model
 from dpkernels.integrations._make_private import ALGORITHMS, PrivacyEngine
-from dpkernels.train import load_digits_split, make_model
 
 
 def main() -> None:

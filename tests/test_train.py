@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("sklearn")
 
+from dpkernels.bench.train import BASELINE, SGD_FAMILY, VARIANTS, TrainConfig, load_digits_split, train_one  # noqa: E402
 from dpkernels.integrations._make_private import ALGORITHMS  # noqa: E402
-from dpkernels.train import BASELINE, SGD_FAMILY, VARIANTS, TrainConfig, load_digits_split, train_one  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
 

@@ -12,7 +12,7 @@ Notation (shapes per parameter tensor ``l`` of ``L``):
 - ``n_i = ‖(v_i − shift) ⊙ scale‖₂`` over all tensors together (flat), or per tensor
   (``per_layer=True``); ``shift``/``scale`` come from DP-MacAdam ("DP-MacAdam: Differentially Private
   Mechanism with Adaptive Clipping and Adaptive Momentum", arXiv:2606.05435) and scale-then-privatize
-  ("On Design Principles for Private Adaptive Optimizers", Ganesh, McMahan, Thakurta).
+  ("On Design Principles for Private Adaptive Optimizers", arXiv:2507.01129).
 
 Numerics, shared by every backend: the combination and the shift/scale are computed in fp32
 (fp64 when the input is fp64, reference only); squares are accumulated in fp64, so a norm is

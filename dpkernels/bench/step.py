@@ -1,7 +1,7 @@
 """``dpkernels bench`` section for the fused optimizer steps (dpkernels.optim).
 
-Same method as :mod:`dpkernels.bench` (round-robin rounds, medians, same-run baselines, the cores
-other processes kept busy):
+Same method as the ``clip`` section, :mod:`dpkernels.bench.clip` (round-robin rounds, medians,
+same-run baselines, the cores other processes kept busy):
 
 - **The fused pass alone.** Per optimizer, ``D`` fp32 parameters (default 4.5 M, the issue's
   size, in four tensors) and a ready clipped sum ``S``: one ``step()`` whose clip stage is replaced by
@@ -12,7 +12,7 @@ other processes kept busy):
   normals into a buffer (cpu); target: every fused step within 2x of its floor.
 - **DP-Adam against Opacus.** Opacus's ``add_noise`` + ``scale_grad`` + ``torch.optim.Adam(fused=True)
   .step()`` on the same ``D`` with ``p.summed_grad`` ready; target: the fused DPAdam pass >= 5x faster.
-- **The full DP step.** On the model shapes of :mod:`dpkernels.bench`: ``DPAdam.step()`` (clip on the
+- **The full DP step.** On the model shapes of :mod:`dpkernels.bench.shapes`: ``DPAdam.step()`` (clip on the
   cpu backend + the fused pass) against Opacus's ``DPOptimizer.step()`` over ``Adam(fused=True)``
   (clip_and_accumulate, add_noise, scale_grad, step) on identical per-sample gradients.
 """
@@ -25,14 +25,23 @@ import torch
 
 import dpkernels.optim as fused
 
-from . import _backend
-from .bench import BenchConfig, Provider, Shape, _stats, make_grad_samples, time_round_robin
-from .bench_noise import provider_table, speedup_vs_opacus
+from .. import _backend
+from . import _report as report
+from ._timing import (
+    SEED,
+    SIGMA,
+    BenchConfig,
+    Provider,
+    copy_provider,
+    opacus_missing,
+    opacus_optimizer,
+    reset_opacus_grads,
+    time_providers,
+)
+from .shapes import Shape, make_grad_samples
 
 STEP_NUMEL = 4_500_000
 _ONE_MICROBATCH = torch.empty(0)
-SIGMA = 1.0
-SEED = 20261123
 STEP_TARGET_FLOOR = 2.0  # every fused step within 2x of its floor
 ADAM_TARGET = 5.0  # fused DPAdam vs Opacus add_noise + scale_grad + Adam(fused=True).step()
 
@@ -76,15 +85,16 @@ def _fused_pass_provider(label: str, cls_name: str, kwargs: dict, n_tensors: int
                     note=f"dpkernels.optim.{cls_name} fused pass")  # fmt: skip
 
 
+def _fused_adam(params: list) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3, fused=True)
+
+
 def _opacus_adam_provider(numel: int) -> Provider:
-    try:
-        from opacus.optimizers import DPOptimizer
-    except ImportError as exc:
-        return Provider("opacus Adam", "baseline", skip=f"opacus not importable: {exc}")
+    if (why := opacus_missing()) is not None:
+        return Provider("opacus Adam", "baseline", skip=why)
     shapes = _split(numel)
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    opt = DPOptimizer(torch.optim.Adam(params, lr=1e-3, fused=True), noise_multiplier=SIGMA, max_grad_norm=1.0,
-                      expected_batch_size=64)  # fmt: skip
+    params, opt = opacus_optimizer(shapes, _fused_adam, noise_multiplier=SIGMA, max_grad_norm=1.0,
+                                   expected_batch_size=64)  # fmt: skip
     sums = [torch.randn(s) for s in shapes]
 
     def prepare() -> None:
@@ -105,9 +115,7 @@ def _opacus_adam_provider(numel: int) -> Provider:
 def bench_steps(cfg: BenchConfig, numel: int = STEP_NUMEL, on_call=lambda p, phase: None) -> dict:
     providers = [_fused_pass_provider(*c, numel) for c in STEP_CONFIGS]
     providers.append(_opacus_adam_provider(numel))
-    src, dst = torch.ones(numel), torch.zeros(numel)
-    providers.append(Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=8 * numel,
-                              note="D-element copy"))  # fmt: skip
+    providers.append(copy_provider(torch.ones(numel), "D-element copy"))
     # Into a buffer allocated once, as the fused passes write theirs: a fresh 18 MB tensor per call
     # would add its page faults (which made this baseline bimodal, 3.6 or 7 ms, across runs).
     noise_buf = torch.empty(numel)
@@ -120,39 +128,28 @@ def bench_steps(cfg: BenchConfig, numel: int = STEP_NUMEL, on_call=lambda p, pha
             note="Philox normals of D elements into a buffer, cpu",
         )
     )
-    res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
-    other = res.pop("_other_cpu_cores")
-    med = {p.name: _stats(res[p.name]["times_s"])["median_s"] for p in providers if p.skip is None}
-    copy_bw = 8 * numel / med["copy"]
-    rows = []
+    res, other = time_providers(providers, cfg, on_call)
+    rows = report.result_rows(providers, res)
     for p in providers:
-        if p.skip is not None:
-            rows.append({"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip})
-            continue
-        st = _stats(res[p.name]["times_s"])
-        row = {"name": p.name, "kind": p.kind, "what": p.note, "status": "ok", **st, "times_s": res[p.name]["times_s"],
-               "bytes_moved": p.bytes_moved, "gbps": p.bytes_moved / st["median_s"] / 1e9}  # fmt: skip
-        row["pct_copy_bw"] = 100 * p.bytes_moved / st["median_s"] / copy_bw
-        if p.kind == "dpkernels":
-            floor = max(p.bytes_moved / copy_bw, med["generator"])
-            row.update(floor_s=floor, over_floor=st["median_s"] / floor)
+        if p.skip is None:
+            rows[p.name].update(bytes_moved=p.bytes_moved, gbps=p.bytes_moved / rows[p.name]["median_s"] / 1e9)
+    report.add_pct_of_bandwidth(rows, ("copy",))
+    copy_bw = 8 * numel / rows["copy"]["median_s"]
+    for row in rows.values():
+        if row["kind"] == "dpkernels" and row["status"] == "ok":
+            floor = max(row["bytes_moved"] / copy_bw, rows["generator"]["median_s"])
+            row.update(floor_s=floor, over_floor=row["median_s"] / floor)
             row["within_target"] = row["over_floor"] <= STEP_TARGET_FLOOR
-        rows.append(row)
-    adam = med.get("DPAdam")
-    opacus = med.get("opacus Adam")
+    adam, opacus = rows["DPAdam"].get("median_s"), rows["opacus Adam"].get("median_s")
     speedup = None if adam is None or opacus is None else opacus / adam
+    within = all(r.get("within_target", True) for r in rows.values())
+    what = (f"fused DPAdam >= {ADAM_TARGET:g}x Opacus add_noise + scale_grad + Adam(fused=True).step(); "
+            f"every fused step <= {STEP_TARGET_FLOOR:g}x its floor")  # fmt: skip
     return {
         "numel": numel,
-        "providers": rows,
+        "providers": list(rows.values()),
         "other_cpu_cores_during_timing": other,
-        "target": {
-            "what": f"fused DPAdam >= {ADAM_TARGET:g}x Opacus add_noise + scale_grad + Adam(fused=True).step(); "
-            f"every fused step <= {STEP_TARGET_FLOOR:g}x its floor",
-            "speedup": speedup,
-            "met": None
-            if speedup is None
-            else speedup >= ADAM_TARGET and all(r.get("within_target", True) for r in rows),
-        },
+        "target": report.target(what, speedup, ADAM_TARGET, also=within),
     }
 
 
@@ -168,22 +165,12 @@ def _full_step_providers(shape: Shape, grads: list, C: float) -> list[Provider]:
                 p.grad_sample = g
 
         out.append(Provider("cpu DPAdam", "dpkernels", call=opt.step, prepare=prepare, note="dpkernels.optim.DPAdam"))
-    try:
-        from opacus.optimizers import DPOptimizer
-    except ImportError as exc:
-        out.append(Provider("opacus", "baseline", skip=f"opacus not importable: {exc}"))
+    if (why := opacus_missing()) is not None:
+        out.append(Provider("opacus", "baseline", skip=why))
         return out
-    o_params = [torch.nn.Parameter(torch.zeros(s)) for s in shape.param_shapes]
-    o_opt = DPOptimizer(torch.optim.Adam(o_params, lr=1e-3, fused=True), noise_multiplier=SIGMA, max_grad_norm=C,
-                        expected_batch_size=shape.batch_size)  # fmt: skip
-
-    def o_prepare() -> None:
-        for p, g in zip(o_params, grads, strict=True):
-            p.grad_sample = g.detach()
-            p.summed_grad = None
-            p.grad = None
-
-    out.append(Provider("opacus", "baseline", call=o_opt.step, prepare=o_prepare,
+    o_params, o_opt = opacus_optimizer(shape.param_shapes, _fused_adam, noise_multiplier=SIGMA, max_grad_norm=C,
+                                       expected_batch_size=shape.batch_size)  # fmt: skip
+    out.append(Provider("opacus", "baseline", call=o_opt.step, prepare=lambda: reset_opacus_grads(o_params, grads),
                         note="DPOptimizer(Adam(fused=True)).step()"))  # fmt: skip
     return out
 
@@ -191,43 +178,23 @@ def _full_step_providers(shape: Shape, grads: list, C: float) -> list[Provider]:
 def bench_full_step(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: None) -> dict:
     grads, C = make_grad_samples(shape)
     providers = _full_step_providers(shape, grads, C)
-    res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
-    other = res.pop("_other_cpu_cores")
-    rows = {}
-    for p in providers:
-        if p.skip is not None:
-            rows[p.name] = {"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip}
-            continue
-        rows[p.name] = {"name": p.name, "kind": p.kind, "what": p.note, "status": "ok",
-                        **_stats(res[p.name]["times_s"]), "times_s": res[p.name]["times_s"]}  # fmt: skip
-    opacus_t = rows.get("opacus", {}).get("median_s")
-    for row in rows.values():
-        if row["status"] == "ok" and opacus_t is not None:
-            row["speedup_vs_opacus"] = opacus_t / row["median_s"]
+    res, other = time_providers(providers, cfg, on_call)
+    rows = report.result_rows(providers, res)
+    report.add_speedup_vs_opacus(rows.values())
     del providers, grads
     gc.collect()
-    return {
-        "name": shape.name,
-        "batch_size": shape.batch_size,
-        "n_tensors": shape.n_tensors,
-        "n_params": shape.n_params,
-        "providers": list(rows.values()),
-        "other_cpu_cores_during_timing": other,
-    }
+    return {**report.shape_fields(shape), "providers": list(rows.values()), "other_cpu_cores_during_timing": other}
 
 
 def steps_table(rec: dict):
-    return provider_table(f"Fused optimizer pass, D = {rec['numel'] / 1e6:.1f} M fp32 (cpu)", rec, {
+    return report.provider_table(f"Fused optimizer pass, D = {rec['numel'] / 1e6:.1f} M fp32 (cpu)", rec, {
         "GB/s": lambda r: f"{r['gbps']:.1f}",
         "% copy BW": lambda r: f"{r['pct_copy_bw']:.0f}%",
-        "floor ms": lambda r: "—" if "floor_s" not in r else f"{1e3 * r['floor_s']:.2f}",
-        "× floor": lambda r: "—" if "over_floor" not in r else f"{r['over_floor']:.2f}",
+        "floor ms": lambda r: report.fmt(1e3 * r["floor_s"] if "floor_s" in r else None, ".2f"),
+        "× floor": lambda r: report.fmt(r.get("over_floor"), ".2f"),
     })  # fmt: skip
 
 
 def full_step_table(rec: dict):
-    title = (
-        f"Full DP step, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
-        f"D={rec['n_params'] / 1e6:.2f} M"
-    )
-    return provider_table(title, rec, {"× Opacus": speedup_vs_opacus})
+    title = f"Full DP step, {rec['name']}: {report.shape_title(rec)}"
+    return report.provider_table(title, rec, {"× Opacus": report.speedup_vs_opacus})

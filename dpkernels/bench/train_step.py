@@ -1,8 +1,9 @@
 """``dpkernels bench`` section ``train``: one whole private training step on real models.
 
-Same method as :mod:`dpkernels.bench` (shuffled rounds, cache flushed before every call, medians,
-the cores other processes kept busy). Per model, three providers run the same step, from the same
-initial weights on the same batch, with ``Adam`` (lr 1e-3), σ = 1, C = 1:
+Same method as the ``clip`` section, :mod:`dpkernels.bench.clip` (shuffled rounds, cache flushed
+before every call, medians, the cores other processes kept busy). Per model, three providers run
+the same step, from the same initial weights on the same batch, with ``Adam`` (lr 1e-3), σ = 1,
+C = 1:
 
 - **non-private**: ``zero_grad``, forward, cross-entropy, backward, ``torch.optim.Adam(fused=True)
   .step()`` on the plain module;
@@ -27,11 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _backend
-from .bench import BenchConfig, Provider, _stats, time_round_robin
-from .bench_noise import provider_table, speedup_vs_opacus
-
-SEED = 20261123
+from .. import _backend
+from . import _report as report
+from ._timing import SEED, BenchConfig, Provider, opacus_missing, time_providers
 
 
 @dataclass(frozen=True)
@@ -91,18 +90,17 @@ def _providers(m: TrainModel) -> list[Provider]:
     out = [Provider("non-private", "baseline", call=step_fn(plain, torch.optim.Adam(plain.parameters(), lr=1e-3,
                                                                                    fused=True)),
                     note="Adam(fused=True), no per-sample gradients")]  # fmt: skip
-    try:
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
-    except ImportError as exc:
-        return out + [Provider(n, "baseline", skip=f"opacus not importable: {exc}") for n in ("opacus", "+dpkernels")]
+    if (why := opacus_missing()) is not None:
+        return out + [Provider(n, "baseline", skip=why) for n in ("opacus", "+dpkernels")]
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
 
     def private(accelerated: bool):
         module = GradSampleModule(copy.deepcopy(base))
         opt = DPOptimizer(torch.optim.Adam(module.parameters(), lr=1e-3, fused=True),
                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=m.batch_size)  # fmt: skip
         if accelerated:
-            from .integrations.opacus import accelerate
+            from ..integrations.opacus import accelerate
 
             accelerate(opt, backend="cpu", seed=SEED)
         return step_fn(module, opt)
@@ -120,31 +118,22 @@ def bench_train_step(model: TrainModel, cfg: BenchConfig, on_call=lambda p, phas
     with warnings.catch_warnings():
         # Opacus's hooks note that the input needs no gradient: true, and nothing to act on.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
-    other = res.pop("_other_cpu_cores")
-    rows = []
-    for p in providers:
-        if p.skip is not None:
-            rows.append({"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip})
-            continue
-        rows.append({"name": p.name, "kind": p.kind, "what": p.note, "status": "ok",
-                     **_stats(res[p.name]["times_s"]), "times_s": res[p.name]["times_s"]})  # fmt: skip
-    med = {r["name"]: r["median_s"] for r in rows if r["status"] == "ok"}
-    for r in rows:
-        if r["status"] == "ok":
-            if "opacus" in med:
-                r["speedup_vs_opacus"] = med["opacus"] / r["median_s"]
-            if "non-private" in med:
-                r["over_non_private"] = r["median_s"] / med["non-private"]
+        res, other = time_providers(providers, cfg, on_call)
+    rows = report.result_rows(providers, res)
+    report.add_speedup_vs_opacus(rows.values())
+    base = rows["non-private"].get("median_s")
+    for r in rows.values():
+        if r["status"] == "ok" and base is not None:
+            r["over_non_private"] = r["median_s"] / base
     del providers
     gc.collect()
-    return {"name": model.name, "what": model.what, "batch_size": model.batch_size, "providers": rows,
+    return {"name": model.name, "what": model.what, "batch_size": model.batch_size, "providers": list(rows.values()),
             "other_cpu_cores_during_timing": other}  # fmt: skip
 
 
 def train_step_table(rec: dict):
     title = f"Full training step, {rec['name']}: {rec['what']}, B={rec['batch_size']}"
-    return provider_table(title, rec, {
-        "× Opacus": speedup_vs_opacus,
-        "÷ non-private": lambda r: f"{r['over_non_private']:.2f}" if "over_non_private" in r else "—",
+    return report.provider_table(title, rec, {
+        "× Opacus": report.speedup_vs_opacus,
+        "÷ non-private": lambda r: report.fmt(r.get("over_non_private"), ".2f"),
     })  # fmt: skip

@@ -4,7 +4,8 @@ What runs. scikit-learn's bundled ``digits`` (1797 images 8×8, 10 classes, no d
 (seed 0, stratified by shuffling within each class) into 60% train, 20% validation, 20% test;
 pixels scaled to [0, 1]. A small model (``mlp``: 64-32-10 with tanh, or ``cnn``: conv 8×3×3, tanh,
 avg-pool 2, linear 128-10). Each algorithm of :data:`dpkernels.integrations._make_private.ALGORITHMS`,
-plus Auto-S (``dpsgd_autos``: DP-SGD with ``mode="auto_s", r=0.01``, DP-PSAC's comparison), runs
+plus Auto-S (``dpsgd_autos``: DP-SGD with ``mode="auto_s", r=0.01``, the comparison DP-PSAC's paper
+makes), runs
 through :func:`~dpkernels.integrations._make_private.make_private` (Opacus's
 GradSampleModule, Poisson sampling at ``q = B/N`` and RDP accountant), with the noise multiplier
 from Opacus's ``get_noise_multiplier`` for the target ``(ε, δ)`` over the given epochs; the
@@ -24,7 +25,21 @@ h2 = 1e-6, b0 = 1/d).
 Reported per algorithm and ε: test accuracy mean ± std over the seeds, the ε the accountant
 reports after training, the chosen lr, and the mean wall time of one training step (forward,
 backward and optimizer step; on a shared 2-core CPU, indicative only). Written: a JSON file with
-every run, and a plot of accuracy against ε (matplotlib, when it is installed).
+every run, and a plot of accuracy against ε (matplotlib, when it is installed). The results and
+which of the papers' orderings hold at this scale: docs/RESULTS.md.
+
+Papers (the algorithms' formulas and defaults: docs/ALGORITHMS.md):
+
+- DP-PSAC: "Differentially Private Learning with Per-Sample Adaptive Clipping", arXiv:2212.00328;
+- Auto-S: "Automatic Clipping: Differentially Private Deep Learning Made Easier and Stronger",
+  arXiv:2206.07136;
+- DP²: "Differentially Private Adaptive Optimization with Delayed Preconditioners", arXiv:2212.00309;
+- DP-PMLF: "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841;
+- DP-AdamBC: "DP-AdamBC: Your DP-Adam Is Actually DP-SGD (Unless You Apply Bias Correction)",
+  arXiv:2312.14334;
+- STP (scale-then-privatize): "On Design Principles for Private Adaptive Optimizers", arXiv:2507.01129;
+- DP-MacAdam: "DP-MacAdam: Differentially Private Mechanism with Adaptive Clipping and Adaptive
+  Momentum", arXiv:2606.05435.
 """
 
 from __future__ import annotations
@@ -45,15 +60,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 BASELINE = "non-private"
-# Variants run through another make_private algorithm: Auto-S (Bu et al.; DP-SGD with the weight
-# C/(‖g‖+r), r = 0.01), the comparison DP-PSAC's paper makes.
+# Variants run through another make_private algorithm: Auto-S ("Automatic Clipping: Differentially
+# Private Deep Learning Made Easier and Stronger", arXiv:2206.07136; DP-SGD with the weight
+# C/(‖g‖+r), r = 0.01), the comparison that DP-PSAC's paper (arXiv:2212.00328) makes.
 VARIANTS = {"dpsgd_autos": ("dpsgd", {"mode": "auto_s", "r": 0.01})}
 SGD_FAMILY = ("dpsgd", "psac", "dp2", "pmlf", "dpsgd_autos")
 # Learning-rate grids: the same number of points for every algorithm (see the module docstring).
 LR_GRID = {"sgd": (0.1, 0.3, 1.0, 3.0), "adam": (0.001, 0.003, 0.01, 0.03)}
 LR_GRID_QUICK = {"sgd": (0.5, 2.0), "adam": (0.002, 0.008)}
-# STP's scaling floor ε₁ (Ganesh et al. tune it with the lr; here it is fixed, so that STP is not tuned
-# more than the others). The default 1e-8 makes step 1 clip at C·1e-8 and the run never leaves that scale.
+# STP's scaling floor ε₁ ("On Design Principles for Private Adaptive Optimizers", arXiv:2507.01129, tunes
+# it with the lr; here it is fixed, so that STP is not tuned more than the others). The default 1e-8
+# makes step 1 clip at C·1e-8 and the run never leaves that scale.
 STP_EPS1 = 1e-3
 
 
@@ -169,7 +186,7 @@ def noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, ep
 
 def train_one(algorithm: str, target_epsilon: float, lr: float, seed: int, split: Split, cfg: TrainConfig) -> RunResult:
     """One training run; ``algorithm == BASELINE`` trains without privacy (``ε = inf``)."""
-    from .integrations._make_private import PrivacyEngine
+    from ..integrations._make_private import PrivacyEngine
 
     torch.manual_seed(seed)
     model = make_model(cfg.model)

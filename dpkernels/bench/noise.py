@@ -1,14 +1,14 @@
 """``dpkernels bench`` sections for the noise issue: the Gaussian generator and fused ``privatize``.
 
-Same method as :mod:`dpkernels.bench` (round-robin rounds, medians, same-run baselines, the cores
-other processes kept busy), on two kinds of work:
+Same method as the ``clip`` section, :mod:`dpkernels.bench.clip` (round-robin rounds, medians,
+same-run baselines, the cores other processes kept busy), on two kinds of work:
 
 - **Generator.** ``D`` fp32 standard normals (default ``D = 4.5 M``, the issue's size): the
   ``cpu`` backend's :func:`dpkernels.gaussian_noise` for every generator (``rng``) it offers,
   against ``torch.normal`` (what Opacus's ``add_noise`` calls) and ``Tensor.normal_``, plus a
   same-run ``D``-element copy for scale. Reported as ms, Gnormals/s and the speed-up over
   ``torch.normal``. Target: >= 4x ``torch.normal`` for the Philox generator.
-- **Private gradient.** Per model shape of :mod:`dpkernels.bench`: :func:`dpkernels.privatize`
+- **Private gradient.** Per model shape of :mod:`dpkernels.bench.shapes`: :func:`dpkernels.privatize`
   (clip, sum, in-pass Philox noise, ``/B``) on the ``cpu`` backend against Opacus's
   ``DPOptimizer.clip_and_accumulate`` → ``add_noise`` → ``scale_grad`` on identical tensors, with
   ``σ = 1``. GB/s counts the op's minimum traffic, 2 reads of the per-sample gradients plus one
@@ -25,15 +25,27 @@ import torch
 
 import dpkernels
 
-from . import _backend
-from .bench import BenchConfig, Provider, Shape, _stats, bandwidth_providers, make_grad_samples, time_round_robin
-from .noise import RNGS
+from .. import _backend
+from ..noise import RNGS
+from . import _report as report
+from ._timing import (
+    SEED,
+    SIGMA,
+    BenchConfig,
+    Provider,
+    bandwidth_providers,
+    copy_provider,
+    opacus_missing,
+    opacus_optimizer,
+    reset_opacus_grads,
+    summary_stats,
+    time_providers,
+)
+from .shapes import Shape, make_grad_samples
 
 NOISE_NUMEL = 4_500_000
 NOISE_TARGET = 4.0  # Philox vs torch.normal, D >= 4 M (issue text)
 PRIVATIZE_TARGETS = {"mlp": 1.5, "transformer": 3.0, "small-b8": 3.0, "small-b32": 3.0}
-SIGMA = 1.0
-SEED = 20261123
 
 
 def generator_providers(numel: int) -> list[Provider]:
@@ -63,19 +75,17 @@ def generator_providers(numel: int) -> list[Provider]:
     )
     buf = torch.empty(numel)
     out.append(Provider("normal_", "baseline", call=buf.normal_, bytes_moved=4 * numel, note="Tensor.normal_"))
-    src, dst = torch.ones(numel), torch.zeros(numel)
-    out.append(Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=8 * numel, note="D-element copy"))
+    out.append(copy_provider(torch.ones(numel), "D-element copy"))
     return out
 
 
 def bench_generator(cfg: BenchConfig, numel: int = NOISE_NUMEL, on_call=lambda p, phase: None) -> dict:
     providers = generator_providers(numel)
-    res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
-    other = res.pop("_other_cpu_cores")
+    res, other = time_providers(providers, cfg, on_call)
     rows = []
-    base = _stats(res["torch.normal"]["times_s"])["median_s"]
+    base = summary_stats(res["torch.normal"]["times_s"])["median_s"]
     for p in providers:
-        st = _stats(res[p.name]["times_s"])
+        st = summary_stats(res[p.name]["times_s"])
         rows.append(
             {
                 "name": p.name,
@@ -88,37 +98,25 @@ def bench_generator(cfg: BenchConfig, numel: int = NOISE_NUMEL, on_call=lambda p
                 "speedup_vs_torch_normal": base / st["median_s"],
             }
         )
-    philox = next((r for r in rows if r["name"] == "cpu philox"), None)
+    philox = next((r["speedup_vs_torch_normal"] for r in rows if r["name"] == "cpu philox"), None)
     return {
         "numel": numel,
         "providers": rows,
         "other_cpu_cores_during_timing": other,
-        "target": {
-            "what": f"cpu philox >= {NOISE_TARGET:g}x torch.normal",
-            "speedup": None if philox is None else philox["speedup_vs_torch_normal"],
-            "met": None if philox is None else philox["speedup_vs_torch_normal"] >= NOISE_TARGET,
-        },
+        "target": report.target(f"cpu philox >= {NOISE_TARGET:g}x torch.normal", philox, NOISE_TARGET),
     }
 
 
 def _opacus_private_provider(shape: Shape, grads: list, C: float, nbytes: int) -> Provider:
-    try:
-        from opacus.optimizers import DPOptimizer
-    except ImportError as exc:
-        return Provider("opacus", "baseline", skip=f"opacus not importable: {exc}")
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shape.param_shapes]
-    opt = DPOptimizer(
-        torch.optim.SGD(params, lr=0.1),
+    if (why := opacus_missing()) is not None:
+        return Provider("opacus", "baseline", skip=why)
+    params, opt = opacus_optimizer(
+        shape.param_shapes,
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
         noise_multiplier=SIGMA,
         max_grad_norm=C,
         expected_batch_size=shape.batch_size,
     )
-
-    def prepare() -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad_sample = g.detach()  # a fresh alias: Opacus tags used grad samples
-            p.summed_grad = None
-            p.grad = None
 
     def call() -> None:
         opt.clip_and_accumulate()
@@ -129,7 +127,7 @@ def _opacus_private_provider(shape: Shape, grads: list, C: float, nbytes: int) -
         "opacus",
         "baseline",
         call=call,
-        prepare=prepare,
+        prepare=lambda: reset_opacus_grads(params, grads),
         bytes_moved=nbytes,
         note="DPOptimizer clip_and_accumulate + add_noise + scale_grad",
     )
@@ -163,24 +161,14 @@ def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
     grads, C = make_grad_samples(shape)
     providers = privatize_providers(shape, grads, C)
     bw = bandwidth_providers(shape.grad_bytes)
-    res = time_round_robin(providers + bw, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
-    other = res.pop("_other_cpu_cores")
-    rows = {}
+    res, other = time_providers(providers + bw, cfg, on_call)
+    rows = report.result_rows(providers + bw, res)
     for p in providers + bw:
-        if p.skip is not None:
-            rows[p.name] = {"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip}
-            continue
-        st = _stats(res[p.name]["times_s"])
-        rows[p.name] = {"name": p.name, "kind": p.kind, "what": p.note, "status": "ok", **st}
-        rows[p.name].update(times_s=res[p.name]["times_s"], gbps=p.bytes_moved / st["median_s"] / 1e9)
+        if p.skip is None:
+            rows[p.name]["gbps"] = p.bytes_moved / rows[p.name]["median_s"] / 1e9
     del bw
-    opacus_t = rows["opacus"].get("median_s")
-    for row in rows.values():
-        if row["status"] == "ok":
-            row["pct_read_bw"] = 100 * row["gbps"] / rows["read"]["gbps"]
-            row["pct_copy_bw"] = 100 * row["gbps"] / rows["copy"]["gbps"]
-            if opacus_t is not None and row["kind"] != "bandwidth":
-                row["speedup_vs_opacus"] = opacus_t / row["median_s"]
+    report.add_pct_of_bandwidth(rows, ("read", "copy"))
+    report.add_speedup_vs_opacus(rows.values())
     if "cpu" in rows and rows["cpu"]["status"] == "ok":
         got, want = _privatize(shape, grads, C, "cpu"), _privatize(shape, grads, C, "reference")
         rows["cpu"]["max_abs_err_vs_reference"] = max(
@@ -189,62 +177,19 @@ def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
     del providers, grads
     gc.collect()
     cpu = rows.get("cpu", {})
-    target = PRIVATIZE_TARGETS.get(shape.name)
+    threshold = PRIVATIZE_TARGETS.get(shape.name)
     return {
-        "name": shape.name,
-        "batch_size": shape.batch_size,
-        "n_tensors": shape.n_tensors,
-        "n_params": shape.n_params,
+        **report.shape_fields(shape),
         "sigma": SIGMA,
         "bytes_counted": "2 reads of the per-sample gradients + 1 fp32 write of D",
         "providers": list(rows.values()),
         "other_cpu_cores_during_timing": other,
-        "target": {
-            "what": f"cpu >= {target:g}x Opacus",
-            "speedup": cpu.get("speedup_vs_opacus"),
-            "met": None if "speedup_vs_opacus" not in cpu else cpu["speedup_vs_opacus"] >= target,
-        },
+        "target": report.target(f"cpu >= {threshold:g}x Opacus", cpu.get("speedup_vs_opacus"), threshold),
     }
 
 
-def caption(rec: dict) -> str:
-    """A result table's caption: its target (if any) and whether other processes shared the cores."""
-    lines = []
-    tgt = rec.get("target")
-    if tgt and tgt["speedup"] is not None:
-        lines.append(f"target {tgt['what']}: {tgt['speedup']:.2f}× → {'met' if tgt['met'] else 'NOT met'}")
-    other = rec["other_cpu_cores_during_timing"]
-    if other > 0.1:
-        lines.append(f"[yellow]other processes kept {other:.2f} cores busy during the timed rounds[/]")
-    return "\n".join(lines)
-
-
-def speedup_vs_opacus(r: dict) -> str:
-    return f"{r['speedup_vs_opacus']:.2f}×" if "speedup_vs_opacus" in r else "—"
-
-
-def provider_table(title: str, rec: dict, extra: dict):
-    """One row per provider of ``rec["providers"]``: median and IQR, then the ``extra`` columns
-    (header → the cell text of a row). dpkernels rows bold green, bandwidth baselines and skipped
-    providers dimmed; the caption from :func:`caption`."""
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for col in ("provider", "median ms", "IQR ms", *extra):
-        t.add_column(col, justify="left" if col == "provider" else "right")
-    for r in rec["providers"]:
-        if r.get("status", "ok") != "ok":
-            t.add_row(r["name"], "[dim]skipped[/]", style="dim")
-            continue
-        style = {"dpkernels": "bold green", "bandwidth": "dim"}.get(r["kind"])
-        cells = (f(r) for f in extra.values())
-        t.add_row(r["name"], f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['iqr_s']:.2f}", *cells, style=style)
-    t.caption = caption(rec)
-    return t
-
-
 def generator_table(rec: dict):
-    return provider_table(
+    return report.provider_table(
         f"Gaussian generator: {rec['numel'] / 1e6:.1f} M fp32 normals (cpu, side by side)", rec,
         {"Gnormals/s": lambda r: f"{r['gnormals_per_s']:.2f}",
          "× torch.normal": lambda r: f"{r['speedup_vs_torch_normal']:.2f}×"},
@@ -252,14 +197,10 @@ def generator_table(rec: dict):
 
 
 def privatize_table(rec: dict):
-    title = (
-        f"privatize, {rec['name']}: B={rec['batch_size']}, {rec['n_tensors']} tensors, "
-        f"D={rec['n_params'] / 1e6:.2f} M, σ={rec['sigma']:g}"
-    )
-    err = lambda r: "—" if r.get("max_abs_err_vs_reference") is None else f"{r['max_abs_err_vs_reference']:.1e}"  # noqa: E731
-    return provider_table(title, rec, {
+    title = f"privatize, {rec['name']}: {report.shape_title(rec)}, σ={rec['sigma']:g}"
+    return report.provider_table(title, rec, {
         "GB/s": lambda r: f"{r['gbps']:.1f}",
         "% read BW": lambda r: f"{r['pct_read_bw']:.0f}%",
-        "× Opacus": speedup_vs_opacus,
-        "max err vs ref": err,
+        "× Opacus": report.speedup_vs_opacus,
+        "max err vs ref": lambda r: report.fmt(r.get("max_abs_err_vs_reference"), ".1e"),
     })  # fmt: skip

@@ -1,0 +1,173 @@
+"""``dpkernels bench``: runs the chosen sections with progress bars, prints their tables, writes one JSON file.
+
+The sections are :mod:`dpkernels.bench.clip` (``clip``), :mod:`dpkernels.bench.noise` (``noise``,
+``privatize``), :mod:`dpkernels.bench.step` (``step``) and :mod:`dpkernels.bench.train_step`
+(``train``); this module imports them, and none of them imports it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import dpkernels
+
+from .. import _backend
+from . import clip, noise, step, train_step
+from ._timing import BenchConfig
+from .shapes import Shape, get_shape
+
+
+def machine_info() -> dict:
+    """What the numbers depend on: CPU, threads, memory, library versions, relevant env."""
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return ""
+
+    cpuinfo = read("/proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
+    mem = re.search(r"^MemTotal:\s*(\d+) kB", read("/proc/meminfo"), re.M)
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dpkernels": dpkernels.__version__,
+    }
+    for mod in ("opacus", "rich"):
+        try:
+            from importlib.metadata import version
+
+            versions[mod] = version(mod)
+        except Exception:
+            versions[mod] = None
+    return {
+        "cpu_model": model.group(1).strip() if model else platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "l3_cache": read("/sys/devices/system/cpu/cpu0/cache/index3/size").strip() or None,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mem_total_gib": int(mem.group(1)) / 2**20 if mem else None,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "backends_available": _backend.available_backends("cpu"),
+        "env": {
+            k: os.environ[k]
+            for k in ("DPKERNELS_POISON_OUTPUTS", "TRITON_INTERPRET", "OMP_NUM_THREADS")
+            if k in os.environ
+        },
+    }
+
+
+def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
+    """The generator, ``privatize``, optimizer-step and training-step sections, one progress bar each."""
+
+    def ticker(task, label):
+        return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
+
+    if "noise" in cfg.sections:
+        n = len(noise.generator_providers(0)) * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("generator", total=n)
+        record["noise"] = noise.bench_generator(cfg, on_call=ticker(task, "generator"))
+        progress.update(task, description="generator: done", completed=n)
+        progress.console.print(noise.generator_table(record["noise"]))
+
+    def per_item(key: str, label: str, items, calls_per_item: int, bench, table) -> None:
+        """One bench call and table per shape (or model), under one progress bar."""
+        n = len(items) * calls_per_item * (cfg.warmup + cfg.repeats)
+        task = progress.add_task(label, total=n)
+        record[key] = []
+        for item in items:
+            rec = bench(item, cfg, on_call=ticker(task, f"{label} {item.name}"))
+            record[key].append(rec)
+            progress.console.print(table(rec))
+        progress.update(task, description=f"{label}: done", completed=n)
+
+    if "privatize" in cfg.sections:
+        per_item("privatize", "privatize", shapes, 5, noise.bench_privatize, noise.privatize_table)
+    if "step" in cfg.sections:
+        n = (len(step.STEP_CONFIGS) + 3 + 2 * len(shapes)) * (cfg.warmup + cfg.repeats)
+        task = progress.add_task("step", total=n)
+        record["step"] = step.bench_steps(cfg, on_call=ticker(task, "step"))
+        progress.console.print(step.steps_table(record["step"]))
+        record["full_step"] = []
+        for shape in shapes:
+            rec = step.bench_full_step(shape, cfg, on_call=ticker(task, f"full step {shape.name}"))
+            record["full_step"].append(rec)
+            progress.console.print(step.full_step_table(rec))
+        progress.update(task, description="step: done", completed=n)
+    if "train" in cfg.sections:
+        models = train_step.models(cfg.quick)
+        per_item("train_step", "train", models, 3, train_step.bench_train_step, train_step.train_step_table)
+
+
+def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
+    """Run the benchmark with a progress bar, print one table per shape, write the JSON."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if console is None:
+        # Off a terminal rich assumes 80 columns, which would fold the tables.
+        console = Console() if sys.stdout.isatty() else Console(width=200)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if "TORCH_LOGS" not in os.environ:
+        # Dynamo warns about every graph break of the reference (by design: it syncs and uses
+        # boolean masks) and Inductor's C++ builder notes the missing CUDA runtime; neither is
+        # news here, and both would scroll the tables away.
+        import logging
+
+        torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    if os.environ.get("DPKERNELS_POISON_OUTPUTS") == "1":
+        console.print("[yellow]DPKERNELS_POISON_OUTPUTS=1 adds an output write to every native call[/]")
+    t_start = time.perf_counter()
+    shapes = [get_shape(n, cfg.quick) for n in cfg.shapes]
+    record = {
+        "schema": 1,
+        "command": sys.argv,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "machine": machine_info(),
+        "method": clip.__doc__,
+        "shapes": [],
+    }
+    per_shape = clip.expected_steps(cfg)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        if "clip" in cfg.sections:
+            task = progress.add_task("starting", total=per_shape * len(shapes))
+            for shape in shapes:
+                rec = clip.bench_shape(shape, cfg, progress, task)
+                record["shapes"].append(rec)
+                progress.console.print(clip.shape_table(rec))
+            progress.update(task, description="clip: done", completed=progress.tasks[task].total)
+        _run_other_sections(cfg, shapes, record, progress)
+    if "clip" in cfg.sections:
+        record["targets"] = clip.target_rows(record["shapes"])
+        console.print(clip.targets_table(record["targets"]))
+    record["wall_s"] = time.perf_counter() - t_start
+    record["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        console.print(f"wrote {path} (wall {record['wall_s']:.0f} s, peak RSS {record['max_rss_gib']:.1f} GiB)")
+    return record
