@@ -1,21 +1,23 @@
 """Per-sample clipping: norms, clip weights and the clipped sum, on every backend.
 
-The three stages of the clipping pipeline (docs/ALGORITHMS.md, "Per-sample clipping"), each a registered ``torch.library`` op in the ``dpkernels``
-namespace, plus the fused pipeline ``clip_and_accumulate``:
+The three stages of the clipping pipeline (docs/ALGORITHMS.md, "Per-sample clipping"), each a
+registered ``torch.library`` op in the ``dpkernels`` namespace, plus the fused pipeline
+``clip_and_accumulate``:
 
 1. ``per_sample_norms``: ``n_i = ‖(Σ_j α_j g_i^(j) − shift) ⊙ scale‖₂``, flat or per layer.
 2. ``clip_factors``:     ``c_i = f(n_i)``; clip, auto_s, auto_v or psac.
 3. ``weighted_sum``:     ``S = Σ_i c_i Σ_j α_j g_i^(j)``, over the raw gradients.
 
-On the ``cpu`` and ``cuda`` backends the fused ops (``clip_and_accumulate``, ``privatize`` and the
+Each backend's implementation is declared once in the op registry (``CLIP`` below). On the
+``cpu`` and ``cuda`` backends the fused ops (``clip_and_accumulate``, ``privatize`` and the
 optimizers' clipped sums) are one native op, ``dpkernels_C::clip_pipeline``: norms pass, per-sample
 weights, and the sum pass with its noise epilogue in a single call, so a list of hundreds of
 tensors crosses the Python/dispatcher boundary once.
 
 Inputs are Opacus-style per-sample gradients: a list of ``[B, *param_shape]`` tensors (fp32, fp16
-or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum ("Enhancing DPSGD via Per-Sample Momentum and Low-Pass
-Filtering", arXiv:2511.08841), a list
-of ``k`` such lists with ``coeffs=[α_1..α_k]``. Non-contiguous tensors are copied to contiguous
+or bf16; fp64 on the reference backend), or, for DP-PMLF per-sample momentum ("Enhancing DPSGD
+via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841), a list of ``k`` such lists
+with ``coeffs=[α_1..α_k]``. Non-contiguous tensors are copied to contiguous
 memory before the kernels run (one extra copy of that tensor).
 """
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpkernels import BandedNoise
+from dpkernels import optim as dpk_optim
 from dpkernels.integrations._make_private import (
     ALGORITHMS,
     CorrelatedNoiseAccountant,
@@ -23,7 +24,6 @@ from dpkernels.integrations._make_private import (
     make_private,
 )
 from dpkernels.pmlf import pmlf_grad_samples
-from dpkernels.reference import optim as ref_optim
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
@@ -183,18 +183,18 @@ def test_matches_hand_loop(algorithm):
     assert opt.expected_batch_size == 16
     torch_opt = make_opt(hand.parameters())
     g = torch_opt.param_groups[0]
-    common = dict(noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=16, seed=5)
+    common = dict(noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=16, seed=5, backend="reference")
     if algorithm in ("dpsgd", "psac"):
         extra = {"mode": "psac", "r": 0.1} if algorithm == "psac" else {}
-        ref = ref_optim.DPSGD(hand.parameters(), g["lr"], momentum=g["momentum"], **common, **extra)
+        ref = dpk_optim.DPSGD(hand.parameters(), g["lr"], momentum=g["momentum"], **common, **extra)
     elif algorithm == "stp":
-        ref = ref_optim.DPAdamSTP(hand.parameters(), g["lr"], betas=g["betas"], eps2=g["eps"], **common, **algo_kwargs)
+        ref = dpk_optim.DPAdamSTP(hand.parameters(), g["lr"], betas=g["betas"], eps2=g["eps"], **common, **algo_kwargs)
     elif algorithm == "macadam":
-        ref = ref_optim.DPMacAdam(hand.parameters(), g["lr"], betas=g["betas"], eps=g["eps"], **common)
+        ref = dpk_optim.DPMacAdam(hand.parameters(), g["lr"], betas=g["betas"], eps=g["eps"], **common)
     elif algorithm == "dp2":
-        ref = ref_optim.DP2(hand.parameters(), g["lr"], **common, **algo_kwargs)
+        ref = dpk_optim.DP2(hand.parameters(), g["lr"], **common, **algo_kwargs)
     else:
-        ref = ref_optim.DPPMLF(hand.parameters(), g["lr"], **common, **algo_kwargs)
+        ref = dpk_optim.DPPMLF(hand.parameters(), g["lr"], **common, **algo_kwargs)
     for x, y in batches:
         opt.zero_grad()
         nn.functional.cross_entropy(module(x), y).backward()
@@ -314,9 +314,8 @@ def test_gradient_accumulation_list():
         backend="reference",
         seed=3,
     )
-    ref = ref_optim.DPSGD(
-        hand.parameters(), 0.5, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=32, seed=3
-    )
+    ref = dpk_optim.DPSGD(hand.parameters(), 0.5, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=32,
+                          seed=3, backend="reference")  # fmt: skip
     for i in range(0, len(batches), 2):
         opt.zero_grad()
         for x, y in batches[i : i + 2]:

@@ -1,6 +1,7 @@
-"""Fused optimizers (dpkernels.optim) against their reference twins (dpkernels.reference.optim).
+"""The optimizers (dpkernels.optim) on every backend against the same class on backend="reference"
+(the family ops of dpkernels.reference.optim).
 
-Every optimizer, on every backend, follows the reference optimizer's trajectory for 20+ steps on
+Every optimizer, on every backend, follows the reference backend's trajectory for 20+ steps on
 the same seed: random per-sample gradients (some samples clipped, some not), several tensors of
 odd sizes, fp32 and bf16 parameters; parameters **and** every state buffer are compared after
 every step. The noise is generated in the fused pass (Philox, independent or correlated through
@@ -17,7 +18,6 @@ from torch import Tensor
 import dpkernels
 import dpkernels.optim as fused
 from dpkernels import BandedNoise, BLTNoise
-from dpkernels.reference import optim as ref
 
 SHAPES = [(3, 5), (7,), (33,), (2, 3, 4)]
 B = 5
@@ -77,16 +77,14 @@ def _attach(params, sets, is_list: bool):
 
 
 def _state_views(opt, p, name: str) -> dict:
-    """The reference's state keys, read from either optimizer."""
-    st = opt.state[p]
+    """Every state buffer (one layout on every backend), plus MacAdam's b and PMLF's histories
+    newest first."""
+    views = dict(opt.state[p])
     if name == "DPMacAdam":
-        b = opt.b(p) if isinstance(opt, fused.DPMacAdam) else st["b"]
-        return {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "s": st["s"], "b": b}
+        views["b"] = opt.b(p)
     if name == "DPPMLF":
-        get = (lambda key: opt.history(p, key)) if isinstance(opt, fused.DPPMLF) else (lambda key: st[key])
-        return {key: get(key) for key in ("m_hist", "vbar_hist", "past")}
-    keys = {"DPSGD": ("momentum_buffer",), "DP2": ("v", "G")}.get(name, ("exp_avg", "exp_avg_sq"))
-    return {key: st[key] for key in keys}
+        views.update({key: opt.history(p, key) for key in ("m_hist", "vbar_hist", "past")})
+    return views
 
 
 def _run_pair(config: str, backend: str, device: str, dtype, noise_kind: str = "independent", steps: int = STEPS):
@@ -97,7 +95,7 @@ def _run_pair(config: str, backend: str, device: str, dtype, noise_kind: str = "
     p_ref, p_fused = _params(dtype, device), _params(dtype, device)
     mech_ref, mech_fused = _mechanism(noise_kind, SEED), _mechanism(noise_kind, SEED)
     seed_kw = {} if mech_ref is not None else {"seed": SEED}
-    opt_ref = getattr(ref, name)(p_ref, correlated_noise=mech_ref, **seed_kw, **common)
+    opt_ref = getattr(fused, name)(p_ref, correlated_noise=mech_ref, backend="reference", **seed_kw, **common)
     opt = getattr(fused, name)(p_fused, correlated_noise=mech_fused, backend=backend, **seed_kw, **common)
     k = getattr(opt_ref, "k", 1)
     is_list = name == "DPPMLF"
@@ -353,7 +351,7 @@ def test_step_from_sums_equals_step(backend_device, config):
     p_step, p_sums, p_ref = (_params(torch.float32, device) for _ in range(3))
     opt = getattr(fused, name)(p_step, backend=backend, mode=mode, **common)
     opt_sums = getattr(fused, name)(p_sums, backend=backend, mode=mode, **common)
-    opt_ref = getattr(ref, name)(p_ref, mode=mode, **common)
+    opt_ref = getattr(fused, name)(p_ref, backend="reference", mode=mode, **common)
     for t in range(1, 5):
         sets = _grad_samples(name, t, 1, device)
         _attach(p_step, sets, False)

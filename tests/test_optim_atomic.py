@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import dpkernels.optim as fused
-from dpkernels.reference import optim as ref
 
 SHAPES = [(3, 5), (7,), (4, 2)]
 B = 3
@@ -51,7 +50,7 @@ def _attach(opt, params, t, device):
     k = getattr(opt, "k", 1)
     sets = [[torch.randn((B, *p.shape), generator=gen).to(device) for p in params] for _ in range(k)]
     for idx, p in enumerate(params):
-        p.grad_sample = [s[idx] for s in sets] if isinstance(opt, ref.DPPMLF) else sets[0][idx]
+        p.grad_sample = [s[idx] for s in sets] if isinstance(opt, fused.DPPMLF) else sets[0][idx]
 
 
 def _snapshot(opt, params):
@@ -250,12 +249,23 @@ def test_load_state_dict_refuses_other_class_and_layout(backend_device):
     bc, bc_params = _trained("DPAdamBC", backend, device, steps=1)
     with pytest.raises(ValueError, match="saved by another optimizer, not a DPAdamBC"):
         bc.load_state_dict(adam.state_dict())
-    # A fused-layout MacAdam checkpoint (b_unnorm, ...) does not load silently on the reference.
+    # Every backend keeps one layout: a MacAdam checkpoint from another backend loads (the
+    # issue's reproducer failed with KeyError: 'b' at the next step) and steps; a checkpoint in
+    # dpkernels 0.1's reference layout (MacAdam's b) is refused, naming the layout.
     other = "cpu" if backend == "reference" else "reference"
     mac, _ = _trained("DPMacAdam", other, device)
-    target, _ = _trained("DPMacAdam", backend, device, steps=1)
+    target, target_params = _trained("DPMacAdam", backend, device, steps=1)
+    target.load_state_dict(mac.state_dict())
+    _attach(target, target_params, 3, device)
+    target.step()
+    assert target.steps_taken == 3
+    old = copy.deepcopy(mac.state_dict())
+    old["dp"]["layout"] = "reference"
+    for st in old["state"].values():
+        st["b"] = st.pop("b_unnorm")
+    fresh, _ = _trained("DPMacAdam", backend, device, steps=1)
     with pytest.raises(ValueError, match="layout"):
-        target.load_state_dict(mac.state_dict())
+        fresh.load_state_dict(old)
 
 
 def test_resumed_counter_continues(backend_device):
@@ -337,7 +347,7 @@ def test_zero_dim_parameter(backend_device, name):
     kw = dict(noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=B, seed=SEED, **CONFIGS[name])
     p_ref = [x.clone().to(device) for x in init]
     p_bk = [x.clone().to(device) for x in init]
-    opt_ref = getattr(ref, name)(p_ref, **kw)
+    opt_ref = getattr(fused, name)(p_ref, backend="reference", **kw)
     opt = getattr(fused, name)(p_bk, backend=backend, **kw)
     for t in (1, 2, 3):
         _attach(opt_ref, p_ref, t, device)

@@ -1,18 +1,28 @@
-"""The reference optimizers (dpkernels/reference/optim.py) checked against the papers, against
-torch.optim where the algorithms coincide, against literal per-sample transcriptions of the
-papers' algorithms, and against dpkernels.privatize."""
+"""The optimizers on the reference backend (the step functions of dpkernels/reference/optim.py)
+checked against the papers, against torch.optim where the algorithms coincide, against literal
+per-sample transcriptions of the papers' algorithms, and against dpkernels.privatize."""
 
 import copy
+import functools
 import math
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dpkernels
+from dpkernels import optim as _optim
 from dpkernels.pmlf import pmlf_grad_samples
 from dpkernels.reference import clip as ref_clip
-from dpkernels.reference import optim as O
+from dpkernels.reference import optim as _ref
+
+# The optimizers on backend="reference" (fp64-capable) and the reference's paper math.
+O = types.SimpleNamespace(  # noqa: E741
+    **{name: functools.partial(getattr(_optim, name), backend="reference") for name in _optim.__all__},
+    **{name: getattr(_ref, name) for name in ("PMLF_PRESETS", "macadam_kappa", "pmlf_momentum_coeffs",
+                                              "pmlf_bias_correction")},
+)  # fmt: skip
 
 SHAPES = ((3, 5), (7,), (2, 1, 3))
 F64 = torch.float64
@@ -100,23 +110,20 @@ def test_noise_statistics_and_seeds():
     assert a.seed != b.seed and 0 <= a.seed < 2**64
 
 
-def test_noise_method_is_the_single_source():
-    """A subclass replacing ``noise()`` (as a correlated mechanism will) changes every step."""
-
-    class Silent(O.DPAdam):
-        def noise(self, t):
-            return [torch.zeros_like(p, dtype=torch.float32) for p in self._params()]
-
-    runs = []
-    for cls, sigma in ((Silent, 1.0), (O.DPAdam, 0.0)):
-        params = make_params(torch.float32)
-        opt = cls(params, lr=1e-2, noise_multiplier=sigma, max_grad_norm=1.0, expected_batch_size=4, seed=3)
-        for t in (1, 2, 3):
-            attach(params, grad_samples(params, 4, t))
-            opt.step()
-        runs.append(params)
-    for p, q in zip(*runs, strict=True):
-        assert torch.equal(p, q)
+def test_noise_method_returns_the_steps_noise():
+    """``noise(t)`` is the ``z_t`` that step ``t`` draws in its pass (the generator lives in the family
+    op since the optimizers became one class per algorithm; ``noise`` is no longer a hook)."""
+    params = make_params(torch.float32, zero=True)
+    B, C, sigma = 4, 0.5, 1.5
+    opt = O.DPSGD(params, lr=1.0, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=B, seed=3)
+    for t in (1, 2):
+        attach(params, [[torch.zeros(B, *p.shape) for p in params]])
+        with torch.no_grad():
+            for p in params:
+                p.zero_()
+        opt.step()
+        for p, z in zip(params, opt.noise(t), strict=True):
+            assert torch.equal(-p.detach(), (sigma * C * z) * (1.0 / B))
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +213,8 @@ def test_stp_with_uniform_vhat_is_dpadam_with_rescaled_clip(t, u):
         for p in ps:
             opt.state[p]["exp_avg"] = 0.1 * torch.randn(p.shape, generator=gen, dtype=F64) if t > 1 else 0 * p.detach()
             opt.state[p]["exp_avg_sq"] = torch.full_like(p, u * (1 - b2 ** (t - 1)), dtype=F64).detach()
+            if "scale" in opt.state[p]:  # STP keeps s_t = 1/(√v̂_{t−1} + ε₁), written by step t − 1
+                opt.state[p]["scale"] = torch.full_like(p, 1 / (math.sqrt(u) + eps1), dtype=F64)
     sets = grad_samples(params, B, t, scale=3.0)
     attach(params, sets)
     attach(twins, sets)
@@ -246,19 +255,19 @@ def test_macadam_first_step_keeps_b0_and_no_nan():
     opt.step()
     for p in params:
         st = opt.state[p]
-        assert torch.equal(st["b"], torch.full_like(st["b"], 1.0 / d))  # b_1 = b_0
+        assert torch.equal(opt.b(p), torch.full_like(p, 1.0 / d))  # b_1 = b_0
         assert all(torch.isfinite(v).all() for v in st.values()) and torch.isfinite(p).all()
         # s_1 was updated: u_1 = (g̃ − m̂_1)² with m̂_1 = g̃ up to rounding
         assert (st["s"] <= 1e-6 * st["exp_avg_sq"] / (1 - 0.999) + 1e-30).all()
-    b1 = {p: opt.state[p]["b"].clone() for p in params}
+    b1 = {p: opt.b(p).clone() for p in params}
     attach(params, grad_samples(params, B, 2))
     opt.step()
     kappa = O.macadam_kappa(2, 0.9)
     s_hat = {p: torch.clamp(opt.state[p]["s"] / kappa - b1[p] ** 2 * (sigma / B) ** 2, 1e-9, 1.0) for p in params}
     total = sum(s.sqrt().sum().item() for s in s_hat.values())  # global over all tensors
     for p in params:
-        torch.testing.assert_close(opt.state[p]["b"], s_hat[p] ** 0.25 * math.sqrt(total), rtol=1e-6, atol=0)
-        assert not torch.equal(opt.state[p]["b"], b1[p])
+        torch.testing.assert_close(opt.b(p), s_hat[p] ** 0.25 * math.sqrt(total), rtol=1e-6, atol=0)
+        assert not torch.equal(opt.b(p), b1[p])
 
 
 def _macadam_literal(params, steps, B, sigma, noises, h1, h2, b0, bias_correction, bc_scale, lr=1e-2, gp=1e-8):
@@ -313,7 +322,7 @@ def test_macadam_equals_literal_algorithm(bias_correction, bc_scale):
         opt.step(noise=noises[t - 1])
     theta, m, v, s, b = want
     for idx, p in enumerate(params):
-        st = opt.state[p]
+        st = {**opt.state[p], "b": opt.b(p)}
         torch.testing.assert_close(p.detach(), theta[idx], rtol=1e-9, atol=1e-12)
         for key, ref in (("exp_avg", m), ("exp_avg_sq", v), ("s", s), ("b", b)):
             torch.testing.assert_close(st[key], ref[idx], rtol=1e-8, atol=1e-14, msg=key)

@@ -11,11 +11,11 @@ the Triton interpreter has no libdevice and uses ``tl.cos``/``tl.sin`` of the fl
 two differ by the rounding of ``θ``, below 1e-15 on ``z``.
 """
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+from .common import interpreting
 
 CHACHA_C0 = tl.constexpr(0x61707865)
 CHACHA_C1 = tl.constexpr(0x3320646E)
@@ -24,8 +24,8 @@ CHACHA_C3 = tl.constexpr(0x6B206574)
 TWO_POW_M53 = tl.constexpr(2.0**-53)
 TWO_POW_M54 = tl.constexpr(2.0**-54)
 TWO_PI_F64 = tl.constexpr(6.283185307179586)
-# The interpreter has no libdevice (same test as clip._interpreting, which imports this module).
-_USE_LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"))
+# The interpreter has no libdevice.
+_USE_LIBDEVICE = tl.constexpr(not interpreting())
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Triton kernels for per-sample clipping: norms, clip weights and the clipped sum.
 
-The three stages of DESIGN.md §2, with the signatures and semantics of
-``dpkernels/reference/clip.py`` (the ground truth):
+The three stages of per-sample clipping (docs/ALGORITHMS.md, "Per-sample clipping"), with the
+signatures and semantics of ``dpkernels/reference/clip.py`` (the ground truth):
 
 1. ``per_sample_sumsq``: ``s_il = Σ_e ((Σ_j α_j g_i^(j,l) − shift^(l)) ⊙ scale^(l))_e²``, fp64 ``[B, L]``.
 2. ``clip_factors``:     ``c = f(n)`` for the clip, auto_s, auto_v and psac modes.
@@ -12,12 +12,13 @@ Notation: ``g^(j,l)`` is the per-sample gradient ``[B, *param_shape]`` of parame
 with ``α``; ``k = 1``, ``α = [1]`` otherwise). ``shift``/``scale`` come from DP-MacAdam and
 scale-then-privatize; they only enter the norm.
 
-Launch structure (multi-tensor apply): tensors are grouped by storage dtype and by whether every
-row of every tensor in the group starts on a 16-byte boundary. Each group is one launch over a
-*chunk table*: one entry per ``CHUNK`` elements of one tensor, carrying the tensor's slot and
-the chunk's first element. Data pointers travel in an int64 table and are cast to typed pointers
-inside the kernel, so a model with hundreds of parameter tensors still costs a handful of
-launches. All tables of one host call are packed into a single int64 tensor, so one
+Launch structure (multi-tensor apply, ``common.py``): tensors are grouped by storage dtype and by
+whether every row of every tensor in the group starts on a 16-byte boundary. Each group is one
+launch over a *chunk table*: the tile table of ``common.py`` with tiles (chunks) that start at
+each tensor's element 0, one entry per ``BLOCK`` elements of one tensor, carrying the tensor's
+slot and the chunk's first element. Data pointers travel in an int64 table and are cast to typed
+pointers inside the kernel, so a model with hundreds of parameter tensors still costs a handful
+of launches. All tables of one host call are packed into a single int64 tensor, so one
 host-to-device copy carries them.
 
 Numerics: inputs are loaded in their storage dtype and converted to fp32 before any arithmetic
@@ -32,18 +33,28 @@ Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .chacha import box_muller64, chacha20_block
+from .common import (
+    TL_DTYPES,
+    VEC_BYTES,
+    Group,
+    MetaTable,
+    check_device,
+    device_guard,
+    fp32_bits,
+    group_tensors,
+    load_coeff,
+    tile_span,
+    tiles,
+    typed_ptr,
+)
 from .philox import MASK32, box_muller, philox4x32_10
 
 #: Epilogues of the weighted-sum kernel: S, S·scale, (S + pre-drawn ν)·scale, (S + std·z)·scale.
@@ -73,10 +84,8 @@ WSUM_ROWS = 4
 
 # CUDA caps grid dimensions 1 and 2 at 65535; larger batches are launched in row slices.
 _MAX_GRID_Y = 65535
-_VEC_BYTES = 16
 
 _MODE_IDS = {"clip": 0, "auto_s": 1, "auto_v": 2, "psac": 3}
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # Mirrors dpkernels/reference/clip.py; the kernel materialises them in fp64 with
 # tl.full, because a bare float literal is rounded to fp32 in comparisons and selects.
@@ -84,30 +93,9 @@ CLIP_EPS = tl.constexpr(1e-6)
 AUTO_V_MIN_NORM = tl.constexpr(1e-12)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 # =============================================================================================
 # Kernels
 # =============================================================================================
-
-
-@triton.jit
-def _load_coeff(coeff_bits, j):
-    # α_j travels as its fp32 bit pattern inside the int64 metadata tensor (one H2D copy for
-    # every table); reinterpreting the low 32 bits recovers the exact fp32 value.
-    return tl.load(coeff_bits + j).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _typed_ptr(addr_table, slot, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """The address at ``addr_table[slot]`` as an ``ELEM*``; with ``ALIGNED``, hinted 16-byte aligned."""
-    p = tl.load(addr_table + slot).to(tl.pointer_type(ELEM))
-    if ALIGNED:
-        # Must sit on the typed pointer: a hint on the int64 address is lost by the int->ptr cast.
-        p = tl.multiple_of(p, 16)
-    return p
 
 
 @triton.jit
@@ -144,26 +132,19 @@ def _per_sample_sumsq_kernel(
     """
     c = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64) + row0
-    t = tl.load(chunk_slot + c)
-    start = tl.load(chunk_start + c)
-    n = tl.load(numels + t)
-    if ALIGNED:
-        # The mask idx < n is only constant over whole vectors if n is a multiple of VEC.
-        n = tl.multiple_of(n, VEC)
-        start = tl.multiple_of(start, VEC)
-    idx = start + tl.arange(0, BLOCK)
+    t, start, n, idx = tile_span(chunk_slot, chunk_start, numels, ALIGNED, VEC, BLOCK)
     mask = idx < n
     offs = i * n + idx
 
     v = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        g = tl.load(_typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED) + offs, mask=mask, other=0.0)
+        g = tl.load(typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED) + offs, mask=mask, other=0.0)
         g = g.to(tl.float32)
-        v += _load_coeff(coeff_bits, j) * g
+        v += load_coeff(coeff_bits, j) * g
     if HAS_SHIFT:
-        v -= tl.load(_typed_ptr(shift_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
+        v -= tl.load(typed_ptr(shift_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     if HAS_SCALE:
-        v *= tl.load(_typed_ptr(scale_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
+        v *= tl.load(typed_ptr(scale_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     # Masked lanes are exactly 0 here (0 loads, 0 shift, 0 scale), so they add nothing.
     v64 = v.to(tl.float64)
     tl.store(partial_ptr + i * n_cols + col0 + c, tl.sum(v64 * v64, axis=0))
@@ -264,13 +245,14 @@ def _weighted_sum_kernel(
 ):
     """``S^(t)[e] = Σ_{i : w_il ≠ 0} w_il · Σ_j α_j g_i^(j,t)[e]`` over one chunk of columns.
 
-    ``EPILOGUE`` (privatized_sum, DESIGN.md §3: the noise is made in the pass that writes the
-    result): ``EPI_NONE`` stores ``S``; ``EPI_SCALE`` stores ``S·scale``; ``EPI_NOISE`` stores
-    ``(S + ν)·scale`` with ``ν`` read from ``noise_ptrs[t]`` (fp32, pre-drawn); ``EPI_PHILOX``
-    stores ``(S + std·z(g))·scale`` with ``g = bases[t] + e`` the global element index and ``key``
-    = int64 (seed low, seed high, step, stream); ``EPI_CHACHA`` (secure mode, docs/RNG.md §6)
-    stores ``fp32(S + std·z(g))·scale`` with the float64 ChaCha20 normal ``z``, the sum formed
-    in float64, ``key`` = int64 (eight key words, step, stream, bits of the float64 ``std``).
+    ``EPILOGUE`` (privatized_sum, docs/ALGORITHMS.md "The private gradient": the noise is made in
+    the pass that writes the result): ``EPI_NONE`` stores ``S``; ``EPI_SCALE`` stores ``S·scale``;
+    ``EPI_NOISE`` stores ``(S + ν)·scale`` with ``ν`` read from ``noise_ptrs[t]`` (fp32, pre-drawn);
+    ``EPI_PHILOX`` stores ``(S + std·z(g))·scale`` with ``g = bases[t] + e`` the global element
+    index and ``key`` = int64 (seed low, seed high, step, stream); ``EPI_CHACHA`` (secure mode,
+    docs/RNG.md §6) stores ``fp32(S + std·z(g))·scale`` with the float64 ChaCha20 normal ``z``, the
+    sum formed in float64, ``key`` = int64 (eight key words, step, stream, bits of the float64
+    ``std``).
 
     Grid ``(num_chunks,)``; each program walks all ``B`` rows of its chunk, accumulates in fp32
     and stores once (no atomics, deterministic). ``grad_ptrs``: int64 ``[K·T]`` as in
@@ -279,23 +261,16 @@ def _weighted_sum_kernel(
     (``w_il`` at ``i·w_stride_b + l·w_stride_l``). A zero weight is skipped, not multiplied, so a
     dropped sample with a NaN/Inf gradient cannot poison the sum.
     """
-    c = tl.program_id(0).to(tl.int64)
-    t = tl.load(chunk_slot + c)
-    start = tl.load(chunk_start + c)
-    n = tl.load(numels + t)
+    t, start, n, idx = tile_span(chunk_slot, chunk_start, numels, ALIGNED, VEC, BLOCK)
     l = tl.load(layer_ids + t)  # noqa: E741
-    if ALIGNED:
-        n = tl.multiple_of(n, VEC)
-        start = tl.multiple_of(start, VEC)
-    idx = start + tl.arange(0, BLOCK)
     col_mask = idx < n
 
     # Loop-invariant addresses and coefficients, loaded once rather than once per row.
     ptrs = ()
     alphas = ()
     for j in tl.static_range(K):
-        ptrs = ptrs + (_typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED),)
-        alphas = alphas + (_load_coeff(coeff_bits, j),)
+        ptrs = ptrs + (typed_ptr(grad_ptrs, j * T + t, ELEM, ALIGNED),)
+        alphas = alphas + (load_coeff(coeff_bits, j),)
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i0 in range(0, B, ROWS):
@@ -313,7 +288,7 @@ def _weighted_sum_kernel(
             acc += w * tl.where(w != 0, v, 0.0)
 
     if EPILOGUE == EPI_NOISE:
-        nu = tl.load(_typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=col_mask, other=0.0)
+        nu = tl.load(typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=col_mask, other=0.0)
         acc = (acc + nu) * scale
     elif EPILOGUE == EPI_PHILOX:
         # One Philox call per element (its block g // 4, word g % 4): simple and correct for any
@@ -346,58 +321,12 @@ def _weighted_sum_kernel(
         acc = (acc.to(tl.float64) + std64 * z).to(tl.float32) * scale
     elif EPILOGUE == EPI_SCALE:
         acc = acc * scale
-    tl.store(_typed_ptr(out_ptrs, t, tl.float32, ALIGNED) + idx, acc, mask=col_mask)
+    tl.store(typed_ptr(out_ptrs, t, tl.float32, ALIGNED) + idx, acc, mask=col_mask)
 
 
 # =============================================================================================
 # Host side: validation, grouping, chunk tables
 # =============================================================================================
-
-
-class _Group(NamedTuple):
-    """One launch: tensors ``slots`` (indices into the L parameters) sharing dtype and alignment."""
-
-    dtype: torch.dtype
-    aligned: bool
-    slots: list[int]
-
-
-class _Meta:
-    """Collects every int64 table of one host call; ``finish`` copies them to the device at once."""
-
-    def __init__(self) -> None:
-        self._parts: list[torch.Tensor] = []
-        self._spans: list[tuple[int, int]] = []
-        self._size = 0
-        self.tensor: torch.Tensor | None = None
-
-    def add(self, values: Sequence[int] | torch.Tensor) -> int:
-        part = torch.as_tensor(values, dtype=torch.int64).reshape(-1)
-        # Start each table on a 16-byte boundary so Triton sees the same pointer alignment for
-        # every slice (one compiled variant instead of two).
-        if self._size % 2:
-            self._parts.append(torch.zeros(1, dtype=torch.int64))
-            self._size += 1
-        self._spans.append((self._size, part.numel()))
-        self._parts.append(part)
-        self._size += part.numel()
-        return len(self._spans) - 1
-
-    def finish(self, device: torch.device) -> None:
-        host = torch.cat([*self._parts, torch.zeros(1, dtype=torch.int64)])
-        if device.type == "cuda":
-            # Pinned + non_blocking keeps the host from waiting on the copy; the caching host
-            # allocator holds the buffer until the copy has run.
-            host = host.pin_memory()
-        self.tensor = host.to(device, non_blocking=True)
-
-    def __getitem__(self, handle: int) -> torch.Tensor:
-        begin, count = self._spans[handle]
-        return self.tensor[begin : begin + max(count, 1)]
-
-
-def _coeff_bits(coeffs: Sequence[float]) -> list[int]:
-    return [struct.unpack("<i", struct.pack("<f", float(a)))[0] for a in coeffs]
 
 
 def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, torch.device]:
@@ -409,17 +338,13 @@ def _check_sets(grad_sets, coeffs) -> tuple[list[list[torch.Tensor]], int, int, 
         raise ValueError(f"coeffs has {len(coeffs)} entries for {len(sets)} gradient set(s)")
     L, first = len(sets[0]), sets[0][0]
     B, device = first.shape[0], first.device
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
-        )
+    check_device(device)
     for j, gs in enumerate(sets):
         if len(gs) != L:
             raise ValueError(f"gradient set {j} has {len(gs)} tensors but set 0 has {L}")
         for idx, g in enumerate(gs):
             ref = sets[0][idx]
-            if g.dtype not in _TL_DTYPES:
+            if g.dtype not in TL_DTYPES:
                 raise TypeError(f"grad_sets[{j}][{idx}] has dtype {g.dtype}; triton supports fp32, fp16, bf16")
             if g.dim() == 0 or g.shape[0] != B or g.device != device:
                 raise ValueError(f"grad_sets[{j}][{idx}] must be [B={B}, ...] on {device}")
@@ -443,22 +368,13 @@ def _vectors(vecs, sets, L, device, name) -> list[torch.Tensor] | None:
     return out
 
 
-def _aligned(tensors: Sequence[torch.Tensor], numel: int, elem_size: int) -> bool:
-    """Every row of every tensor starts on a 16-byte boundary (vectorised loads are legal)."""
-    vec = _VEC_BYTES // elem_size
-    return numel % vec == 0 and all(t.data_ptr() % _VEC_BYTES == 0 for t in tensors)
-
-
-def _groups(sets, extra: Sequence[list[torch.Tensor] | None]) -> list[_Group]:
-    """Tensors grouped by (dtype, alignment); slot order within a group follows parameter order."""
-    by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
-    for idx, g in enumerate(sets[0]):
-        numel = _row_numel(g)
-        tensors = [gs[idx] for gs in sets] + [vs[idx] for vs in extra if vs is not None]
-        # Row starts of the fp32 shift/scale are the chunk starts, aligned whenever the pointer is.
-        key = (g.dtype, _aligned(tensors, numel, g.dtype.itemsize))
-        by_key.setdefault(key, []).append(idx)
-    return [_Group(dtype, aligned, slots) for (dtype, aligned), slots in by_key.items()]
+def _groups(sets, extra: Sequence[list[torch.Tensor] | None]) -> list[Group]:
+    """Parameters with elements grouped by (dtype, alignment), in parameter order; a parameter is
+    aligned when its gradient in every set and its ``extra`` fp32 vectors (whose row starts are
+    the chunk starts) are. Chunks start at element 0 of each row (``rng_block=1``); the bases are
+    the parameters' global element indices, the private epilogue's noise counter."""
+    members = [[gs[idx] for gs in sets] + [vs[idx] for vs in extra if vs is not None] for idx in range(len(sets[0]))]
+    return group_tensors([_row_numel(g) for g in sets[0]], members, rng_block=1)
 
 
 def _row_numel(g: torch.Tensor) -> int:
@@ -466,23 +382,6 @@ def _row_numel(g: torch.Tensor) -> int:
     for s in g.shape[1:]:
         n *= s
     return n
-
-
-def _chunks(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk table: for each ``block``-element chunk, its tensor slot and first element.
-
-    Built with tensor ops: a billion-parameter model has ~10^6 chunks, too many for a Python loop
-    on every step. A tensor's chunks are consecutive entries.
-    """
-    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
-    slots = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
-    first = torch.cumsum(counts, 0) - counts
-    starts = (torch.arange(slots.numel(), dtype=torch.int64) - first[slots]) * block
-    return slots, starts
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # =============================================================================================
@@ -515,20 +414,18 @@ def per_sample_sumsq(
         return torch.zeros((0, L), dtype=torch.float64, device=device)
     K = len(sets)
 
-    meta = _Meta()
-    coeff_h = meta.add(_coeff_bits(coeffs))
+    meta = MetaTable()
+    coeff_h = meta.add(fp32_bits(coeffs))
     launches = []
-    seg_first, seg_count = [0] * L, [0] * L
+    seg_first, seg_count = [0] * L, [0] * L  # an empty tensor has no chunks and gets 0
     col = 0
     for grp in _groups(sets, (shift_v, scale_v)):
         numels = [_row_numel(sets[0][s]) for s in grp.slots]
-        slots, starts = _chunks(numels, SUMSQ_BLOCK)
+        slots, starts = tiles(numels, grp.bases, SUMSQ_BLOCK, rng_block=1)
         col0 = col  # this group's chunks are partial columns [col0, col0 + len(slots))
         for s, n in zip(grp.slots, numels, strict=True):
             seg_first[s], seg_count[s] = col, -(-n // SUMSQ_BLOCK)
             col += seg_count[s]
-        if slots.numel() == 0:
-            continue
         handles = dict(
             grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
             shift_ptrs=meta.add([shift_v[s].data_ptr() for s in grp.slots] if shift_v else []),
@@ -544,7 +441,7 @@ def per_sample_sumsq(
     n_cols = col
     partial = torch.empty((B, max(n_cols, 1)), dtype=torch.float64, device=device)
     out = torch.empty((B, L), dtype=torch.float64, device=device)
-    with _device_guard(device):
+    with device_guard(device):
         for grp, h, n_chunks, col0 in launches:
             for row0 in range(0, B, _MAX_GRID_Y):
                 rows = min(_MAX_GRID_Y, B - row0)
@@ -553,8 +450,8 @@ def per_sample_sumsq(
                     meta[h["numels"]], meta[h["chunk_slot"]], meta[h["chunk_start"]],
                     partial, partial.shape[1], col0, row0, len(grp.slots),
                     K=K, HAS_SHIFT=shift_v is not None, HAS_SCALE=scale_v is not None,
-                    ELEM=_TL_DTYPES[grp.dtype], BLOCK=SUMSQ_BLOCK, ALIGNED=grp.aligned,
-                    VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=SUMSQ_NUM_WARPS,
+                    ELEM=TL_DTYPES[grp.dtype], BLOCK=SUMSQ_BLOCK, ALIGNED=grp.aligned,
+                    VEC=VEC_BYTES // grp.dtype.itemsize, num_warps=SUMSQ_NUM_WARPS,
                 )  # fmt: skip
         _segment_sum_kernel[(B * L,)](
             partial, partial.shape[1], meta[first_h], meta[count_h], out, L, BLOCK=SEGMENT_BLOCK
@@ -580,8 +477,7 @@ def clip_factors(
         raise ValueError(f"unknown clip mode {mode!r}; expected one of {tuple(_MODE_IDS)}")
     if norms.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"norms must be float32 or float64, got {norms.dtype}")
-    if norms.device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the triton backend runs on CUDA tensors; set TRITON_INTERPRET=1 for CPU tensors")
+    check_device(norms.device)
     Cs = [float(c) for c in max_grad_norm] if isinstance(max_grad_norm, Sequence) else [float(max_grad_norm)]
     if len(Cs) != 1 and (norms.dim() != 2 or len(Cs) != norms.shape[1]):
         raise ValueError(f"{len(Cs)} max_grad_norm values do not match norms of shape {tuple(norms.shape)}")
@@ -591,7 +487,7 @@ def clip_factors(
     if N == 0:
         return out
     params = torch.tensor([float(r), *Cs], dtype=torch.float64, device=norms.device)
-    with _device_guard(norms.device):
+    with device_guard(norms.device):
         _clip_factors_kernel[(triton.cdiv(N, CLIP_BLOCK),)](
             norms, params, out, N, len(Cs), MODE=_MODE_IDS[mode], BLOCK=CLIP_BLOCK
         )
@@ -673,19 +569,14 @@ def _weighted_sum(grad_sets, weights, coeffs, epilogue, noise=None, key=None, st
     w_stride_b = weights.stride(0)
     w_stride_l = weights.stride(1) if weights.dim() == 2 else 0
     K = len(sets)
-    bases = [0]
-    for s in shapes[:-1]:
-        bases.append(bases[-1] + math.prod(s))
 
-    meta = _Meta()
-    coeff_h = meta.add(_coeff_bits(coeffs))
+    meta = MetaTable()
+    coeff_h = meta.add(fp32_bits(coeffs))
     key_h = meta.add(key or [0, 0, 0, 0])
     launches = []
     for grp in _groups(sets, (outs,) if noise is None else (outs, noise)):
         numels = [_row_numel(sets[0][s]) for s in grp.slots]
-        slots, starts = _chunks(numels, WSUM_BLOCK)
-        if slots.numel() == 0:
-            continue
+        slots, starts = tiles(numels, grp.bases, WSUM_BLOCK, rng_block=1)
         handles = dict(
             grad_ptrs=meta.add([gs[s].data_ptr() for gs in sets for s in grp.slots]),
             out_ptrs=meta.add([outs[s].data_ptr() for s in grp.slots]),
@@ -693,20 +584,20 @@ def _weighted_sum(grad_sets, weights, coeffs, epilogue, noise=None, key=None, st
             layer_ids=meta.add(grp.slots),
             chunk_slot=meta.add(slots),
             chunk_start=meta.add(starts),
-            bases=meta.add([bases[s] for s in grp.slots]),
+            bases=meta.add(grp.bases),
             noise_ptrs=meta.add([noise[s].data_ptr() if noise is not None else 0 for s in grp.slots]),
         )
         launches.append((grp, handles, slots.numel()))
     meta.finish(device)
 
-    with _device_guard(device):
+    with device_guard(device):
         for grp, h, n_chunks in launches:
             _weighted_sum_kernel[(n_chunks,)](
                 meta[h["grad_ptrs"]], meta[h["out_ptrs"]], meta[coeff_h], meta[h["numels"]],
                 meta[h["layer_ids"]], meta[h["chunk_slot"]], meta[h["chunk_start"]],
                 weights, w_stride_b, w_stride_l, B, len(grp.slots),
-                K=K, ELEM=_TL_DTYPES[grp.dtype], BLOCK=WSUM_BLOCK, ROWS=WSUM_ROWS,
-                ALIGNED=grp.aligned, VEC=_VEC_BYTES // grp.dtype.itemsize,
+                K=K, ELEM=TL_DTYPES[grp.dtype], BLOCK=WSUM_BLOCK, ROWS=WSUM_ROWS,
+                ALIGNED=grp.aligned, VEC=VEC_BYTES // grp.dtype.itemsize,
                 bases=meta[h["bases"]], noise_ptrs=meta[h["noise_ptrs"]], key=meta[key_h],
                 std=float(std), scale=float(scale), EPILOGUE=epilogue.value, num_warps=WSUM_NUM_WARPS,
             )  # fmt: skip

@@ -6,7 +6,7 @@ Per element, with ``K`` fp32 state buffers and host coefficients::
     x = input | std·z | input + std·z;   y = a·x + Σ c_k S_k;   S_k ← d_k S_k + e_k y + f_k x;   out (+)= g·y
 
 Work split and noise follow ``noise.py``: a program handles one tile of ``BLOCK`` elements of one
-tensor, tiles aligned to Philox blocks of the global index (``noise._tiles``), the four normals of
+tensor, tiles aligned to Philox blocks of the global index (``common.tiles``), the four normals of
 each block interleaved into element order; multi-tensor launches group tensors by (dtype,
 alignment), one launch per group, with every address, size and coefficient in one int64 metadata
 tensor (coefficients as fp32 bit patterns, so the compiled kernel does not specialise on them).
@@ -27,8 +27,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
-from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tile, _tile_normals, _tiles
+from .common import (
+    TL_DTYPES,
+    VEC_BYTES,
+    MetaTable,
+    check_counter,
+    check_device,
+    device_guard,
+    fp32_bits,
+    is_aligned,
+    load_coeff,
+    round_to,
+    tile,
+    tile_block,
+    tile_normals,
+    tiles,
+    typed_ptr,
+)
 
 #: Elements per program and warps: one Philox block (4 elements) per GPU thread; 2048 made ptxas spill
 #: in the unaligned variant on sm_80 (tools/gpu_static_check.py).
@@ -42,7 +57,7 @@ def _bit(bits: tl.constexpr, k: tl.constexpr):
 
 
 @triton.jit
-def _filter(
+def filter_step(
     x,
     state_ptrs,
     T,
@@ -64,24 +79,24 @@ def _filter(
     for the updated buffers; returns ``g·y``. Buffer ``k`` of slot ``t`` is the fp32 tensor at
     ``state_ptrs[k·T + t]``; the coefficients ``[a, g, c.., d.., e.., f..]`` are the fp32 bits at
     ``coeff_bits[C0:]``; the ``*_BITS`` masks say which terms exist (see the module docstring)."""
-    y = _load_coeff(coeff_bits, C0) * x if HAS_A else tl.zeros_like(x)
+    y = load_coeff(coeff_bits, C0) * x if HAS_A else tl.zeros_like(x)
     for k in tl.static_range(K):
         if _bit(C_BITS, k):
-            p = _typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
-            y = y + _load_coeff(coeff_bits, C0 + 2 + k) * tl.load(p + idx, mask=mask, other=0.0)
+            p = typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
+            y = y + load_coeff(coeff_bits, C0 + 2 + k) * tl.load(p + idx, mask=mask, other=0.0)
     for k in tl.static_range(K):
         if _bit(W_BITS, k):
-            p = _typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
+            p = typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED)
             if _bit(D_BITS, k):
-                v = _load_coeff(coeff_bits, C0 + 2 + K + k) * tl.load(p + idx, mask=mask, other=0.0)
+                v = load_coeff(coeff_bits, C0 + 2 + K + k) * tl.load(p + idx, mask=mask, other=0.0)
             else:
                 v = tl.zeros_like(x)
             if _bit(E_BITS, k):
-                v = v + _load_coeff(coeff_bits, C0 + 2 + 2 * K + k) * y
+                v = v + load_coeff(coeff_bits, C0 + 2 + 2 * K + k) * y
             if _bit(F_BITS, k):
-                v = v + _load_coeff(coeff_bits, C0 + 2 + 3 * K + k) * x
+                v = v + load_coeff(coeff_bits, C0 + 2 + 3 * K + k) * x
             tl.store(p + idx, v, mask=mask)
-    return _load_coeff(coeff_bits, C0 + 1) * y
+    return load_coeff(coeff_bits, C0 + 1) * y
 
 
 @triton.jit
@@ -120,27 +135,23 @@ def _filter_kernel(
     ``t`` at ``k·T + t`` (fp32); ``tile_slot``/``tile_start`` as in ``noise._noise_kernel``; ``key``:
     (seed low, seed high, step, stream); ``coeff_bits``: fp32 bits of ``[a, g, c.., d.., e.., f..]``.
     """
-    t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
-    x = std * _tile_normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
+    t, start, idx, mask = tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
+    x = std * tile_normals(bases, t, start, key, BLOCK) if NOISE else tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_IN:
-        x_in = tl.load(_typed_ptr(in_ptrs, t, ELEM, ALIGNED) + idx, mask=mask, other=0.0).to(tl.float32)
+        x_in = tl.load(typed_ptr(in_ptrs, t, ELEM, ALIGNED) + idx, mask=mask, other=0.0).to(tl.float32)
         x = x_in + x if NOISE else x_in
-    res = _filter(x, state_ptrs, T, t, idx, mask, coeff_bits, 0, K, C_BITS, D_BITS, E_BITS, F_BITS, W_BITS, HAS_A,
-                  ALIGNED)  # fmt: skip
+    res = filter_step(x, state_ptrs, T, t, idx, mask, coeff_bits, 0, K, C_BITS, D_BITS, E_BITS, F_BITS, W_BITS, HAS_A,
+                      ALIGNED)  # fmt: skip
     if HAS_OUT:
-        p_out = _typed_ptr(out_ptrs, t, ELEM, ALIGNED)
+        p_out = typed_ptr(out_ptrs, t, ELEM, ALIGNED)
         if ACCUMULATE:
             res = tl.load(p_out + idx, mask=mask, other=0.0).to(tl.float32) + res
-        tl.store(p_out + idx, _round_to(res, ELEM), mask=mask)
+        tl.store(p_out + idx, round_to(res, ELEM), mask=mask)
 
 
-def _bits(values: Sequence[float]) -> int:
+def term_bits(values: Sequence[float]) -> int:
+    """The term mask of ``filter_step``'s coefficients ``values``: bit ``k`` set where ``values[k] != 0``."""
     return sum(1 << k for k, v in enumerate(values) if v != 0)
-
-
-def _aligned(tensors: Sequence[torch.Tensor], numel: int, base: int, elem_size: int) -> bool:
-    vec = _VEC_BYTES // elem_size
-    return numel % vec == 0 and base % 4 == 0 and all(x.data_ptr() % _VEC_BYTES == 0 for x in tensors)
 
 
 def linear_filter_(
@@ -162,12 +173,8 @@ def linear_filter_(
     L = len(out) if out else (len(inputs) if inputs else len(state) // K)
     ref = list(out) if out else (list(inputs) if inputs else list(state[:L]))
     device = ref[0].device
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
-        )
-    counter = _check_counter(seed, step, stream, offset)
+    check_device(device)
+    counter = check_counter(seed, step, stream, offset)
     a = coeffs[0]
     c, d, e, f = (coeffs[2 + i * K : 2 + (i + 1) * K] for i in range(4))
     w = [0.0 if (d[k], e[k], f[k]) == (1.0, 0.0, 0.0) else 1.0 for k in range(K)]
@@ -179,19 +186,19 @@ def linear_filter_(
         if n:
             dtype = ref[p].dtype if (out or inputs) else elem
             tensors = [x[p] for x in (inputs, out) if x] + [state[k * L + p] for k in range(K)]
-            key = (dtype, _aligned(tensors, n, base, dtype.itemsize))
+            key = (dtype, is_aligned(tensors, n, dtype.itemsize, base))
             groups.setdefault(key, []).append((p, base))
         base += n
     if not groups:
         return
-    block = INTERPRETER_NOISE_BLOCK if _interpreting() else FILTER_BLOCK
-    meta = _Meta()
-    key_h, coeff_h = meta.add(counter), meta.add(_coeff_bits(coeffs))
+    block = tile_block(FILTER_BLOCK)
+    meta = MetaTable()
+    key_h, coeff_h = meta.add(counter), meta.add(fp32_bits(coeffs))
     launches = []
     for (dtype, aligned), members in groups.items():
         slots = [p for p, _ in members]
         numels = [ref[p].numel() for p in slots]
-        tile_slot, tile_start = _tiles(numels, [b for _, b in members], block)
+        tile_slot, tile_start = tiles(numels, [b for _, b in members], block)
         zeros = [0] * len(slots)
         handles = (
             meta.add([inputs[p].data_ptr() for p in slots] if inputs else zeros),
@@ -204,12 +211,12 @@ def linear_filter_(
         )
         launches.append((dtype, aligned, len(slots), handles, tile_slot.numel()))
     meta.finish(device)
-    with _device_guard(device):
+    with device_guard(device):
         for dtype, aligned, n_slots, h, n_tiles in launches:
             _filter_kernel[(n_tiles,)](
                 *(meta[x] for x in h), meta[key_h], meta[coeff_h], float(noise_std), n_slots,
-                K=K, C_BITS=_bits(c), D_BITS=_bits(d), E_BITS=_bits(e), F_BITS=_bits(f), W_BITS=_bits(w),
-                HAS_A=a != 0, HAS_IN=bool(inputs), HAS_OUT=bool(out), ACCUMULATE=bool(accumulate),
-                NOISE=noise_std > 0, ELEM=_TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned,
-                VEC=_VEC_BYTES // dtype.itemsize, num_warps=FILTER_NUM_WARPS,
+                K=K, C_BITS=term_bits(c), D_BITS=term_bits(d), E_BITS=term_bits(e), F_BITS=term_bits(f),
+                W_BITS=term_bits(w), HAS_A=a != 0, HAS_IN=bool(inputs), HAS_OUT=bool(out),
+                ACCUMULATE=bool(accumulate), NOISE=noise_std > 0, ELEM=TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned,
+                VEC=VEC_BYTES // dtype.itemsize, num_warps=FILTER_NUM_WARPS,
             )  # fmt: skip

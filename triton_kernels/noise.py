@@ -24,7 +24,8 @@ vector) and the int64 words, Triton re-lays the values out through shared memory
 128-bit stores. Tensors that are not aligned take the same kernel with narrow accesses (and a
 shared-memory re-layout); the noise is the same, only slower.
 
-Multi-tensor launches follow ``clip.py``: tensors are grouped by (dtype, alignment), each group
+Multi-tensor launches use the machinery of ``common.py`` (shared with the other families, which
+draw the same normals from the same tiles): tensors are grouped by (dtype, alignment), each group
 is one launch over a tile table (tensor slot, first local element) with the tensors' addresses,
 numels and global base indices in int64 tables; the key and counter fields travel in the same
 int64 metadata tensor, so one host-to-device copy carries everything and the compiled kernel
@@ -61,15 +62,31 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .chacha import box_muller64, chacha20_block
-from .clip import _TL_DTYPES, _VEC_BYTES, _device_guard, _interpreting, _Meta, _typed_ptr
-from .philox import MASK32, box_muller, philox4x32_10
+from .common import (
+    PHILOX_ELEMS,
+    TL_DTYPES,
+    VEC_BYTES,
+    Group,
+    MetaTable,
+    check_counter,
+    check_device,
+    device_guard,
+    group_tensors,
+    interpreting,
+    philox_normals,
+    philox_words,
+    round_to,
+    tile,
+    tile_block,
+    tiles,
+    typed_ptr,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Launch constants
@@ -80,89 +97,24 @@ from .philox import MASK32, box_muller, philox4x32_10
 #: on 4 independent Philox blocks (16 elements).
 NOISE_BLOCK = 4096
 NOISE_NUM_WARPS = 8
-#: Under the interpreter a program costs ~300 interpreted tensor ops (~50 ms) whatever its size,
-#: so tiles are much larger there; the results do not depend on the tile size.
-INTERPRETER_NOISE_BLOCK = 1 << 16
 
 #: ChaCha20 blocks per program of ``_chacha_kernel`` (one per GPU thread at 4 warps): a tile is
 #: ``16 ·`` that many words or ``8 ·`` that many normals.
 CHACHA_BLOCKS = 128
 CHACHA_NUM_WARPS = 4
+#: Under the interpreter (see ``common.INTERPRETER_TILE_BLOCK``).
 INTERPRETER_CHACHA_BLOCKS = 1 << 12
 
 #: Kernel modes: raw words to int64, ``out = std·z``, ``x += std·z``.
 MODE_WORDS, MODE_FILL, MODE_ADD = 0, 1, 2
 
-#: Round fp32 -> bf16 with integer ops (the interpreter's own conversion truncates).
-_EMULATE_BF16_RNE = tl.constexpr(_interpreting())
-
 _WORDS_DTYPE = torch.int64
-_ALL_DTYPES = {**_TL_DTYPES, _WORDS_DTYPE: tl.int64}
+_ALL_DTYPES = {**TL_DTYPES, _WORDS_DTYPE: tl.int64}
 
 
 # =============================================================================================
 # Kernels
 # =============================================================================================
-
-
-@triton.jit
-def _round_to(v, dtype: tl.constexpr):
-    """fp32 ``v`` rounded to nearest-even in ``dtype``."""
-    if dtype == tl.bfloat16 and _EMULATE_BF16_RNE:
-        bits = v.to(tl.uint32, bitcast=True)
-        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        rounded = tl.where(v != v, 0x7FC0, rounded)  # NaN stays NaN
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(dtype)
-
-
-@triton.jit
-def _tile(tile_slot, tile_start, numels, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
-    """``(t, start, idx, mask)`` of this program's tile (see ``_tiles``): tensor slot, first local
-    element, the ``BLOCK`` local indices and which of them exist. ``ALIGNED``: ``start`` and the
-    tensor's numel are multiples of ``VEC`` (and ``start >= 0``)."""
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(tile_slot + pid)
-    start = tl.load(tile_start + pid)
-    n = tl.load(numels + t)
-    if ALIGNED:
-        start = tl.multiple_of(start, VEC)
-        n = tl.multiple_of(n, VEC)
-    idx = start + tl.arange(0, BLOCK)
-    mask = idx < n
-    if not ALIGNED:
-        mask = mask & (idx >= 0)
-    return t, start, idx, mask
-
-
-@triton.jit
-def _philox_words(bases, t, start, key, BLOCK: tl.constexpr):
-    """The four Philox words ``[BLOCK/4]`` each of the tile's blocks: global elements
-    ``bases[t] + start + [0, BLOCK)`` (a multiple of 4 first), 4 per block; ``key`` = (seed low,
-    seed high, step, stream)."""
-    blocks = ((tl.load(bases + t) + start) >> 2) + tl.arange(0, BLOCK // 4)
-    c0 = (blocks & MASK32).to(tl.uint32)
-    c1 = (blocks >> 32).to(tl.uint32)
-    c2 = tl.zeros_like(c0) + tl.load(key + 2).to(tl.uint32)
-    c3 = tl.zeros_like(c0) + tl.load(key + 3).to(tl.uint32)
-    return philox4x32_10(c0, c1, c2, c3, tl.load(key), tl.load(key + 1))
-
-
-@triton.jit
-def _normals(w0, w1, w2, w3, BLOCK: tl.constexpr):
-    """The tile's ``BLOCK`` normals in element order from its Philox words (``_philox_words``)."""
-    # Both Box-Muller pairs at once on [BLOCK/4, 2]: (w0, w1) in column 0, (w2, w3) in 1;
-    # join(z_first, z_second)[b, i, j] = z_{2i+j}.
-    z_first, z_second = box_muller(tl.join(w0, w2), tl.join(w1, w3))
-    return tl.reshape(tl.join(z_first, z_second), [BLOCK])
-
-
-@triton.jit
-def _tile_normals(bases, t, start, key, BLOCK: tl.constexpr):
-    """The Philox normals ``z`` of the tile's ``BLOCK`` global elements, in element order."""
-    w0, w1, w2, w3 = _philox_words(bases, t, start, key, BLOCK)
-    return _normals(w0, w1, w2, w3, BLOCK)
 
 
 @triton.jit
@@ -192,19 +144,19 @@ def _noise_kernel(
     ``ALIGNED``: the address is 16-byte aligned, ``numels[t]`` a multiple of ``VEC`` (elements
     per 128-bit vector) and ``bases[t]`` of 4, so tiles start at local multiples of ``BLOCK``.
     """
-    t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
-    w0, w1, w2, w3 = _philox_words(bases, t, start, key, BLOCK)
-    p = _typed_ptr(ptrs, t, ELEM, ALIGNED)
+    t, start, idx, mask = tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
+    w0, w1, w2, w3 = philox_words(bases, t, start, key, BLOCK)
+    p = typed_ptr(ptrs, t, ELEM, ALIGNED)
     if MODE == 0:
         # join(join(w0, w2), join(w1, w3))[b, i, j] = w_{2i+j}: element order, each thread
         # keeps the 4 words of its blocks.
         words = tl.join(tl.join(w0, w2), tl.join(w1, w3))
         tl.store(p + idx, tl.reshape(words, [BLOCK]).to(tl.int64), mask=mask)
     else:
-        v = std * _normals(w0, w1, w2, w3, BLOCK)
+        v = std * philox_normals(w0, w1, w2, w3, BLOCK)
         if MODE == 2:
             v += tl.load(p + idx, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p + idx, _round_to(v, ELEM), mask=mask)
+        tl.store(p + idx, round_to(v, ELEM), mask=mask)
 
 
 @triton.jit
@@ -219,7 +171,7 @@ def _round_once(v, dtype: tl.constexpr):
         bits = f.to(tl.uint32, bitcast=True)
         bits = tl.where(tl.abs(f.to(tl.float64)) > tl.abs(v), bits - 1, bits)  # toward zero
         bits = tl.where(bits.to(tl.float32, bitcast=True).to(tl.float64) != v, bits | 1, bits)
-        return _round_to(bits.to(tl.float32, bitcast=True), dtype)
+        return round_to(bits.to(tl.float32, bitcast=True), dtype)
 
 
 @triton.jit
@@ -284,22 +236,9 @@ def _chacha_kernel(
 # =============================================================================================
 
 
-class _Group(NamedTuple):
-    """One launch: tensors sharing dtype and alignment, in list order."""
-
-    dtype: torch.dtype
-    aligned: bool
-    tensors: list[torch.Tensor]
-    bases: list[int]
-
-
 def _check(tensors: Sequence[torch.Tensor], dtypes, what: str) -> torch.device:
     device = tensors[0].device
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
-        )
+    check_device(device)
     for i, x in enumerate(tensors):
         if x.dtype not in dtypes:
             raise TypeError(f"{what}[{i}] has dtype {x.dtype}; expected one of {tuple(dtypes)}")
@@ -310,58 +249,17 @@ def _check(tensors: Sequence[torch.Tensor], dtypes, what: str) -> torch.device:
     return device
 
 
-def _check_counter(seed: int, step: int, stream: int, offset: int) -> list[int]:
-    fields = (("seed", seed, 64), ("step", step, 32), ("stream", stream, 32), ("offset", offset, 62))
-    for name, value, bits in fields:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
-            raise ValueError(f"{name} must be an integer in [0, 2^{bits}), got {value!r}")
-    return [seed & 0xFFFFFFFF, seed >> 32, step, stream]
+def _groups(tensors: Sequence[torch.Tensor], offset: int) -> list[Group]:
+    """Non-empty tensors grouped by (dtype, alignment), with each tensor's global base index
+    (element 0 of ``tensors[0]`` is ``offset``); slots index ``tensors``."""
+    return group_tensors([x.numel() for x in tensors], [[x] for x in tensors], offset)
 
 
-def _aligned(x: torch.Tensor, base: int) -> bool:
-    """Vector accesses are legal: aligned storage, block-aligned start, whole vectors."""
-    vec = _VEC_BYTES // x.element_size()
-    return x.data_ptr() % _VEC_BYTES == 0 and x.numel() % vec == 0 and base % 4 == 0
-
-
-def _groups(tensors: Sequence[torch.Tensor], offset: int) -> list[_Group]:
-    """Non-empty tensors grouped by (dtype, alignment), with each tensor's global base index."""
-    by_key: dict[tuple[torch.dtype, bool], _Group] = {}
-    base = offset
-    for x in tensors:
-        if x.numel():
-            key = (x.dtype, _aligned(x, base))
-            grp = by_key.setdefault(key, _Group(x.dtype, key[1], [], []))
-            grp.tensors.append(x)
-            grp.bases.append(base)
-        base += x.numel()
-    return list(by_key.values())
-
-
-def _tiles(
-    numels: Sequence[int], bases: Sequence[int], block: int, group: int = 4
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tile table: for each tile, its tensor slot and local first element (see the kernel).
-
-    Tensor ``t`` covers global elements ``[bases[t], bases[t] + numels[t])``; its tiles start at
-    ``bases[t]`` rounded down to a multiple of ``group`` (the elements of one generator call).
-    Built with tensor ops (a large model has ~10^6 tiles); a tensor's tiles are consecutive
-    entries.
-    """
-    n = torch.tensor(numels, dtype=torch.int64)
-    head = torch.tensor(bases, dtype=torch.int64) % group
-    counts = (n + head + block - 1) // block
-    slots = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
-    first = torch.cumsum(counts, 0) - counts
-    starts = (torch.arange(slots.numel(), dtype=torch.int64) - first[slots]) * block - head[slots]
-    return slots, starts
-
-
-def _add_tile_table(meta: _Meta, tensors, bases, block: int, group: int = 4) -> tuple[tuple, int]:
+def _add_tile_table(meta: MetaTable, tensors, bases, block: int, rng_block: int = PHILOX_ELEMS) -> tuple[tuple, int]:
     """Adds one launch's tables to ``meta`` (data pointers, numels, global bases, tile slots and
     starts, the noise kernels' argument order); returns their handles and the tile count."""
     numels = [x.numel() for x in tensors]
-    slots, starts = _tiles(numels, bases, block, group)
+    slots, starts = tiles(numels, bases, block, rng_block)
     tables = ([x.data_ptr() for x in tensors], numels, bases, slots, starts)
     return tuple(meta.add(x) for x in tables), slots.numel()
 
@@ -370,20 +268,20 @@ def _launch(tensors: Sequence[torch.Tensor], std: float, counter: list[int], off
     groups = _groups(tensors, offset)
     if not groups:
         return
-    block = INTERPRETER_NOISE_BLOCK if _interpreting() else NOISE_BLOCK
-    meta = _Meta()
+    block = tile_block(NOISE_BLOCK)
+    meta = MetaTable()
     key_h = meta.add(counter)
     launches = []
     for grp in groups:
-        launches.append((grp, *_add_tile_table(meta, grp.tensors, grp.bases, block)))
+        launches.append((grp, *_add_tile_table(meta, [tensors[s] for s in grp.slots], grp.bases, block)))
     device = tensors[0].device
     meta.finish(device)
-    with _device_guard(device):
+    with device_guard(device):
         for grp, h, n_tiles in launches:
             _noise_kernel[(n_tiles,)](
                 *(meta[x] for x in h), meta[key_h], float(std),
                 MODE=mode, ELEM=_ALL_DTYPES[grp.dtype], BLOCK=block, ALIGNED=grp.aligned,
-                VEC=_VEC_BYTES // grp.dtype.itemsize, num_warps=NOISE_NUM_WARPS,
+                VEC=VEC_BYTES // grp.dtype.itemsize, num_warps=NOISE_NUM_WARPS,
             )  # fmt: skip
 
 
@@ -395,7 +293,7 @@ def _launch(tensors: Sequence[torch.Tensor], std: float, counter: list[int], off
 def philox_uint32_(out: torch.Tensor, seed: int, step: int, stream: int = 0, offset: int = 0) -> torch.Tensor:
     """``out[i]`` = the Philox word of element ``offset + i``, in [0, 2³²); ``out``: contiguous int64."""
     _check([out], (_WORDS_DTYPE,), "out")
-    _launch([out], 0.0, _check_counter(seed, step, stream, offset), offset, MODE_WORDS)
+    _launch([out], 0.0, check_counter(seed, step, stream, offset), offset, MODE_WORDS)
     return out
 
 
@@ -403,8 +301,8 @@ def gaussian_fill_(
     out: torch.Tensor, std: float, seed: int, step: int, stream: int = 0, offset: int = 0
 ) -> torch.Tensor:
     """``out[i] = std · z(offset + i)``, computed in fp32 and rounded once to ``out``'s dtype."""
-    _check([out], _TL_DTYPES, "out")
-    _launch([out], std, _check_counter(seed, step, stream, offset), offset, MODE_FILL)
+    _check([out], TL_DTYPES, "out")
+    _launch([out], std, check_counter(seed, step, stream, offset), offset, MODE_FILL)
     return out
 
 
@@ -418,36 +316,36 @@ def add_gaussian_noise_(
     tensors = list(tensors)
     if not tensors:
         return tensors
-    _check(tensors, _TL_DTYPES, "tensors")
-    _launch(tensors, std, _check_counter(seed, step, stream, offset), offset, MODE_ADD)
+    _check(tensors, TL_DTYPES, "tensors")
+    _launch(tensors, std, check_counter(seed, step, stream, offset), offset, MODE_ADD)
     return tensors
 
 
 def _chacha_launch(
     tensors: Sequence[torch.Tensor], std: float, key: int, step: int, stream: int, offset: int, mode: int
 ):
-    _check_counter(0, step, stream, offset)
+    check_counter(0, step, stream, offset)
     if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**256:
         raise ValueError(f"key must be an integer in [0, 2^256), got {key!r}")
     groups = _groups(tensors, offset)
     if not groups:
         return
     per_block = 16 if mode == MODE_WORDS else 8
-    block = per_block * (INTERPRETER_CHACHA_BLOCKS if _interpreting() else CHACHA_BLOCKS)
-    meta = _Meta()
+    block = per_block * (INTERPRETER_CHACHA_BLOCKS if interpreting() else CHACHA_BLOCKS)
+    meta = MetaTable()
     std_bits = struct.unpack("<q", struct.pack("<d", float(std)))[0]
     key_h = meta.add([(key >> (32 * i)) & 0xFFFFFFFF for i in range(8)] + [step, stream, std_bits])
     launches = []
     by_dtype: dict[torch.dtype, tuple[list, list]] = {}
     for grp in groups:  # alignment does not matter here: one launch per dtype
         ts, bs = by_dtype.setdefault(grp.dtype, ([], []))
-        ts += grp.tensors
+        ts += [tensors[s] for s in grp.slots]
         bs += grp.bases
     for dtype, (ts, bs) in by_dtype.items():
         launches.append((dtype, *_add_tile_table(meta, ts, bs, block, per_block)))
     device = tensors[0].device
     meta.finish(device)
-    with _device_guard(device):
+    with device_guard(device):
         for dtype, h, n_tiles in launches:
             _chacha_kernel[(n_tiles,)](
                 *(meta[x] for x in h), meta[key_h], MODE=mode, ELEM=_ALL_DTYPES[dtype], BLOCK=block,
@@ -466,7 +364,7 @@ def chacha20_gaussian_fill_(
     out: torch.Tensor, std: float, key: int, step: int, stream: int = 0, offset: int = 0
 ) -> torch.Tensor:
     """``out[i] = std · z(offset + i)``, ChaCha20 normals, float64, rounded once to ``out``'s dtype."""
-    _check([out], _TL_DTYPES, "out")
+    _check([out], TL_DTYPES, "out")
     _chacha_launch([out], std, key, step, stream, offset, MODE_FILL)
     return out
 
@@ -478,6 +376,6 @@ def chacha20_add_gaussian_noise_(
     tensors = list(tensors)
     if not tensors:
         return tensors
-    _check(tensors, _TL_DTYPES, "tensors")
+    _check(tensors, TL_DTYPES, "tensors")
     _chacha_launch(tensors, std, key, step, stream, offset, MODE_ADD)
     return tensors

@@ -9,12 +9,12 @@ pointer tables, one launch per (parameter dtype, alignment) group) with a compil
 epilogue. Per element:
 
 - ``ν`` = the pre-drawn ``noise[l][i]`` (``NOISE_GIVEN``), or ``noise_std · g·y`` with ``y`` the
-  noise filter (``filter._filter``, ``NK`` fp32 buffers) of the fresh Philox normal ``z`` of global
+  noise filter (``filter.filter_step``, ``NK`` fp32 buffers) of the fresh Philox normal ``z`` of global
   element ``offset + index`` (``NOISE_FILTER``; independent noise is the filter ``[a, g] = [1, 1]``),
   or 0 when there are no noise buffers and ``noise_std = 0`` (``NOISE_NONE``: nothing is drawn);
 - the family's step on the clipped sum ``S``, ``ν``, the parameter ``θ`` (loaded in its storage
   dtype, math in fp32, rounded once to nearest-even on store) and the fp32 state: ``sgd`` runs the
-  direction filter (``DK`` buffers, same ``_filter``) on ``g̃ + λθ``; ``macadam`` also writes, per
+  direction filter (``DK`` buffers, same ``filter_step``) on ``g̃ + λθ``; ``macadam`` also writes, per
   program, the float64 sum of ``√ŝ`` over its elements, which the host sums in a fixed order.
 
 Which scalar branches exist is compile-time (``HAS_WD``: sgd's λ ≠ 0, ``HAS_DECAY``: Adam's
@@ -38,9 +38,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .clip import _TL_DTYPES, _VEC_BYTES, _coeff_bits, _device_guard, _interpreting, _load_coeff, _Meta, _typed_ptr
-from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, _aligned, _bits, _filter
-from .noise import INTERPRETER_NOISE_BLOCK, _check_counter, _round_to, _tile, _tile_normals, _tiles
+from .._kernel_args import ADAM as _ADAM
+from .._kernel_args import DP2 as _DP2
+from .._kernel_args import FAMILIES as _FAMILIES
+from .._kernel_args import FILTER as _FILTER
+from .._kernel_args import MACADAM as _MACADAM
+from .._kernel_args import SGD as _SGD
+from .common import (
+    TL_DTYPES,
+    VEC_BYTES,
+    MetaTable,
+    check_counter,
+    check_device,
+    device_guard,
+    fp32_bits,
+    is_aligned,
+    load_coeff,
+    round_to,
+    tile,
+    tile_block,
+    tile_normals,
+    tiles,
+    typed_ptr,
+)
+from .filter import FILTER_BLOCK, FILTER_NUM_WARPS, filter_step, term_bits
 
 __all__ = ["sgd_step_", "dp2_step_", "adam_step_", "macadam_step_"]
 
@@ -64,12 +85,37 @@ MACADAM_BC_OFF, MACADAM_BC_PAPER = tl.constexpr(0), tl.constexpr(1)
 #: The kernel's scalar-branch switches, all off (each family's launcher turns its own on).
 SWITCHES_OFF = {"HAS_WD": False, "HAS_DECAY": False, "UPDATE_B": False}
 
-#: Hyper-parameters per family (optim_math.h struct order, csrc/ops.cpp).
-_HYPER_LEN = {SGD.value: 3, DP2.value: 3, ADAM.value: 15, MACADAM.value: 17}
-#: Slots the kernel receives as reciprocals (0 stays 0), formed in float64 on the host as
-#: ``optim_layout.h`` does: the bias corrections (adam: 1−β₁^t, 1−β₂^t, 1−β₂^(t−1)) and MacAdam's
-#: κ_t, so the element math multiplies instead of dividing.
-_RECIPROCAL_SLOTS = {ADAM.value: (6, 7, 8), MACADAM.value: (6, 7, 13)}
+#: The named hyper-parameter list of each ``FAMILY`` (dpkernels/_kernel_args.py).
+_SPECS = {SGD.value: _SGD, DP2.value: _DP2, ADAM.value: _ADAM, MACADAM.value: _MACADAM}
+assert list(_FAMILIES.values()) == list(_SPECS.values())
+#: Slots the kernel receives as reciprocals (0 stays 0), formed in float64 on the host as the C++
+#: kernels do (the spec's ``recip``/``recip0`` members): the bias corrections and MacAdam's κ_t,
+#: so the element math multiplies instead of dividing (the kernel reads 1/κ in the ``kappa`` slot).
+_RECIPROCAL_SLOTS = {
+    fam: tuple(i for i, f in enumerate(spec.fields) if any(how.startswith("recip") for _, how in f.targets()))
+    for fam, spec in _SPECS.items()
+}
+
+
+def _slot(spec, name: str) -> tl.constexpr:
+    return tl.constexpr(spec.index(name))
+
+
+# Slots of the hyper lists, from the spec (constexpr globals the kernels read).
+S_INV_B, S_LR, S_WD = (_slot(_SGD, n) for n in ("inv_b", "lr", "weight_decay"))
+D_INV_B, D_LR = _slot(_DP2, "inv_b"), _slot(_DP2, "lr")
+# Adam and MacAdam share the moment slots (checked here).
+assert all(_ADAM.index(n) == _MACADAM.index(n) for n in _ADAM.names[:8])
+H_INV_B, H_LR, H_BETA1, H_OMB1, H_BETA2, H_OMB2, H_INV_BC1, H_INV_BC2 = (_slot(_ADAM, n) for n in _ADAM.names[:8])
+A_INV_BC2_PREV, A_EPS, A_DECAY, A_PHI, A_GAMMA, A_EPS1 = (
+    _slot(_ADAM, n) for n in ("bias2_prev", "eps", "decay", "phi", "gamma", "eps1")
+)
+#: The filter coefficient layout [a, g, c[K], d[K], e[K], f[K]]: the direction filter's list follows
+#: the noise filter's (NK buffers) in ``coeff_bits``.
+F_SCALARS, F_GROUPS = tl.constexpr(len(_FILTER.SCALARS)), tl.constexpr(len(_FILTER.GROUPS))
+M_EPS, M_NOISE_VAR, M_GAMMA, M_H1, M_H2, M_INV_KAPPA, M_C_TOTAL, M_BSCALE = (
+    _slot(_MACADAM, n) for n in ("eps", "noise_var", "gamma", "h1", "h2", "kappa", "c_total", "bscale")
+)
 
 
 # =============================================================================================
@@ -79,15 +125,15 @@ _RECIPROCAL_SLOTS = {ADAM.value: (6, 7, 8), MACADAM.value: (6, 7, 13)}
 
 @triton.jit
 def _h(hyper, j):
-    return _load_coeff(hyper, j)
+    return load_coeff(hyper, j)
 
 
 @triton.jit
 def _sgd_input(hyper, S, nu, theta, HAS_WD: tl.constexpr):
     """``sgd_input``: ``x = (S + ν)·(1/B) (+ λθ)``, the direction filter's input."""
-    g = (S + nu) * _h(hyper, 0)
+    g = (S + nu) * _h(hyper, S_INV_B)
     if HAS_WD:
-        g = g + _h(hyper, 2) * theta
+        g = g + _h(hyper, S_WD) * theta
     return g
 
 
@@ -95,20 +141,20 @@ def _sgd_input(hyper, S, nu, theta, HAS_WD: tl.constexpr):
 def _dp2_math(hyper, S, nu, theta, G, inv_d, PHASE: tl.constexpr):
     """``dp2_step``: ``(θ', G')`` (``G`` unchanged in the adaptive phase)."""
     if PHASE == DP2_ADAPTIVE:
-        g = (S * inv_d + nu) * _h(hyper, 0)
+        g = (S * inv_d + nu) * _h(hyper, D_INV_B)
     else:
-        g = (S + nu) * _h(hyper, 0)
+        g = (S + nu) * _h(hyper, D_INV_B)
         G = G + g
-    return theta - _h(hyper, 1) * g, G
+    return theta - _h(hyper, D_LR) * g, G
 
 
 @triton.jit
 def _moments(hyper, g, m, v):
     """``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g·g``; returns ``(m, v, m̂, v̂)``. Adam and MacAdam
-    share hyper slots 2..7: β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t)."""
-    m = _h(hyper, 2) * m + _h(hyper, 3) * g
-    v = _h(hyper, 4) * v + _h(hyper, 5) * g * g
-    return m, v, m * _h(hyper, 6), v * _h(hyper, 7)
+    share the moment slots (``H_*``): β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t)."""
+    m = _h(hyper, H_BETA1) * m + _h(hyper, H_OMB1) * g
+    v = _h(hyper, H_BETA2) * v + _h(hyper, H_OMB2) * g * g
+    return m, v, m * _h(hyper, H_INV_BC1), v * _h(hyper, H_INV_BC2)
 
 
 @triton.jit
@@ -127,22 +173,21 @@ def _adam_math(hyper, S, nu, theta, m, v, VARIANT: tl.constexpr, HAS_DECAY: tl.c
     """``adam_step``: ``(θ', m', v', scale')`` (``scale'`` is STP's next clip scale; other variants
     return ``v'`` in its place, unused).
 
-    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t), 1/(1−β₂^(t−1)), ε, 1−ηλ, Φ, γ', ε₁,
-    variant."""
+    hyper: the ``ADAM`` fields of dpkernels/_kernel_args.py, bias corrections as reciprocals."""
     if VARIANT == ADAM_STP:
         # Noise in the scaled space, un-scaled by √v̂_{t−1} + ε₁ (v̂_0 = 0: 1/(1−β₂^0) is sent as 0).
-        nu = (tl.sqrt_rn(v * _h(hyper, 8)) + _h(hyper, 13)) * nu
-    m, v, m_hat, v_hat = _moments(hyper, (S + nu) * _h(hyper, 0), m, v)
+        nu = (tl.sqrt_rn(v * _h(hyper, A_INV_BC2_PREV)) + _h(hyper, A_EPS1)) * nu
+    m, v, m_hat, v_hat = _moments(hyper, (S + nu) * _h(hyper, H_INV_B), m, v)
     if VARIANT == ADAM_BC:
-        denom = _floor_sqrt(v_hat - _h(hyper, 11), _h(hyper, 12))
+        denom = _floor_sqrt(v_hat - _h(hyper, A_PHI), _h(hyper, A_GAMMA))
     else:
-        denom = tl.sqrt_rn(v_hat) + _h(hyper, 9)
+        denom = tl.sqrt_rn(v_hat) + _h(hyper, A_EPS)
     scale = v
     if VARIANT == ADAM_STP:
-        scale = _recip(tl.sqrt_rn(v_hat) + _h(hyper, 13))
+        scale = _recip(tl.sqrt_rn(v_hat) + _h(hyper, A_EPS1))
     if HAS_DECAY:
-        theta = theta * _h(hyper, 10)
-    return theta - tl.div_rn(_h(hyper, 1) * m_hat, denom), m, v, scale
+        theta = theta * _h(hyper, A_DECAY)
+    return theta - tl.div_rn(_h(hyper, H_LR) * m_hat, denom), m, v, scale
 
 
 @triton.jit
@@ -150,25 +195,25 @@ def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.const
     """``macadam_step``: ``(θ', m', v', s', b_u', inv_bu', shift', √ŝ)`` (``√ŝ`` = 0, ``b_u`` and
     ``inv_bu`` unchanged without the ``b`` update, κ = 0).
 
-    hyper: 1/B, η, β₁, 1−β₁, β₂, 1−β₂, 1/(1−β₁^t), 1/(1−β₂^t), ε, (σC/B)², γ', h1, h2, 1/κ, Σc,
-    bscale, bc."""
-    b = b_u * _h(hyper, 15)  # b_{t−1}
+    hyper: the ``MACADAM`` fields of dpkernels/_kernel_args.py, bias corrections and κ as reciprocals."""
+    b = b_u * _h(hyper, M_BSCALE)  # b_{t−1}
     mh = shift  # m̂_{t−1}
-    g = ((S - _h(hyper, 14) * mh) + b * nu) * _h(hyper, 0) + mh
+    g = ((S - _h(hyper, M_C_TOTAL) * mh) + b * nu) * _h(hyper, H_INV_B) + mh
     m, v, m_hat, v_hat = _moments(hyper, g, m, v)
     if BC == MACADAM_BC_OFF:
-        denom = tl.sqrt_rn(v_hat) + _h(hyper, 8)
+        denom = tl.sqrt_rn(v_hat) + _h(hyper, M_EPS)
     else:
-        phi = tl.zeros_like(b) + _h(hyper, 9) if BC == MACADAM_BC_PAPER else b * b * _h(hyper, 9)
-        denom = _floor_sqrt(v_hat - phi, _h(hyper, 10))
-    theta = theta - tl.div_rn(_h(hyper, 1) * m_hat, denom)
+        var = _h(hyper, M_NOISE_VAR)
+        phi = tl.zeros_like(b) + var if BC == MACADAM_BC_PAPER else b * b * var
+        denom = _floor_sqrt(v_hat - phi, _h(hyper, M_GAMMA))
+    theta = theta - tl.div_rn(_h(hyper, H_LR) * m_hat, denom)
     dev = g - m_hat
-    s = _h(hyper, 2) * s + _h(hyper, 3) * (dev * dev)
+    s = _h(hyper, H_BETA1) * s + _h(hyper, H_OMB1) * (dev * dev)
     sqrt_s_hat = tl.zeros_like(s)
     if UPDATE_B:
-        s_hat = s * _h(hyper, 13) - b * b * _h(hyper, 9)
-        s_hat = tl.where(s_hat < _h(hyper, 11), _h(hyper, 11), s_hat)  # torch.clamp: a NaN stays NaN
-        s_hat = tl.where(s_hat > _h(hyper, 12), _h(hyper, 12), s_hat)
+        s_hat = s * _h(hyper, M_INV_KAPPA) - b * b * _h(hyper, M_NOISE_VAR)
+        s_hat = tl.where(s_hat < _h(hyper, M_H1), _h(hyper, M_H1), s_hat)  # torch.clamp: a NaN stays NaN
+        s_hat = tl.where(s_hat > _h(hyper, M_H2), _h(hyper, M_H2), s_hat)
         sqrt_s_hat = tl.sqrt_rn(s_hat)
         b_u = tl.sqrt_rn(sqrt_s_hat)
         inv_bu = _recip(b_u)
@@ -183,7 +228,7 @@ def _macadam_math(hyper, S, nu, theta, m, v, s, b_u, inv_bu, shift, BC: tl.const
 @triton.jit
 def _state(state_ptrs, k, T, t, idx, mask, ALIGNED: tl.constexpr):
     """Pointer to and value of fp32 state buffer ``k`` of slot ``t`` (buffer-major table)."""
-    p = _typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED) + idx
+    p = typed_ptr(state_ptrs, k * T + t, tl.float32, ALIGNED) + idx
     return p, tl.load(p, mask=mask, other=0.0)
 
 
@@ -241,33 +286,33 @@ def _step_kernel(
     ``[a, g, c.., d.., e.., f..]`` then (sgd) the direction filter's; ``hyper``: fp32 bits of the
     family's hyper-parameters (optim_math.h struct order). ``partial_ptr`` (macadam with ``b``
     update): float64 ``[num_tiles]``, this tile's ``Σ√ŝ``. ``N*``/``D*`` constexprs: the noise and
-    direction filters' buffer counts and term masks (``filter._filter``).
+    direction filters' buffer counts and term masks (``filter.filter_step``).
     """
-    t, start, idx, mask = _tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
+    t, start, idx, mask = tile(tile_slot, tile_start, numels, ALIGNED, VEC, BLOCK)
     if NOISE == NOISE_GIVEN:
-        nu = tl.load(_typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
+        nu = tl.load(typed_ptr(noise_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
     elif NOISE == NOISE_FILTER:
-        z = _tile_normals(bases, t, start, key, BLOCK)
-        nu = std * _filter(z, noise_state_ptrs, T, t, idx, mask, coeff_bits, 0, NK, NC_BITS, ND_BITS, NE_BITS,
-                           NF_BITS, NW_BITS, N_HAS_A, ALIGNED)  # fmt: skip
+        z = tile_normals(bases, t, start, key, BLOCK)
+        nu = std * filter_step(z, noise_state_ptrs, T, t, idx, mask, coeff_bits, 0, NK, NC_BITS, ND_BITS, NE_BITS,
+                               NF_BITS, NW_BITS, N_HAS_A, ALIGNED)  # fmt: skip
     else:
         nu = tl.zeros([BLOCK], dtype=tl.float32)
-    S = tl.load(_typed_ptr(sum_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
-    p_theta = _typed_ptr(param_ptrs, t, ELEM, ALIGNED) + idx
+    S = tl.load(typed_ptr(sum_ptrs, t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
+    p_theta = typed_ptr(param_ptrs, t, ELEM, ALIGNED) + idx
     theta_stored = tl.load(p_theta, mask=mask, other=0.0)
     theta = theta_stored.to(tl.float32)
 
     if FAMILY == SGD:
         if HAS_PAST:
-            tl.store(_typed_ptr(past_ptrs, t, ELEM, ALIGNED) + idx, theta_stored, mask=mask)
+            tl.store(typed_ptr(past_ptrs, t, ELEM, ALIGNED) + idx, theta_stored, mask=mask)
         x = _sgd_input(hyper, S, nu, theta, HAS_WD)
-        d = _filter(x, state_ptrs, T, t, idx, mask, coeff_bits, 2 + 4 * NK, DK, DC_BITS, DD_BITS, DE_BITS, DF_BITS,
-                    DW_BITS, D_HAS_A, ALIGNED)  # fmt: skip
-        theta = theta - _h(hyper, 1) * d
+        d = filter_step(x, state_ptrs, T, t, idx, mask, coeff_bits, F_SCALARS + F_GROUPS * NK, DK, DC_BITS, DD_BITS,
+                        DE_BITS, DF_BITS, DW_BITS, D_HAS_A, ALIGNED)  # fmt: skip
+        theta = theta - _h(hyper, S_LR) * d
     elif FAMILY == DP2:
         p_G, G = _state(state_ptrs, 0, T, t, idx, mask, ALIGNED)
         if VARIANT == DP2_ADAPTIVE:
-            inv_d = tl.load(_typed_ptr(state_ptrs, T + t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
+            inv_d = tl.load(typed_ptr(state_ptrs, T + t, tl.float32, ALIGNED) + idx, mask=mask, other=0.0)
         else:
             inv_d = G  # not read in the SGD phase
         theta, G = _dp2_math(hyper, S, nu, theta, G, inv_d, VARIANT)
@@ -280,7 +325,7 @@ def _step_kernel(
         tl.store(p_m, m, mask=mask)
         tl.store(p_v, v, mask=mask)
         if VARIANT == ADAM_STP:
-            tl.store(_typed_ptr(state_ptrs, 2 * T + t, tl.float32, ALIGNED) + idx, scale, mask=mask)
+            tl.store(typed_ptr(state_ptrs, 2 * T + t, tl.float32, ALIGNED) + idx, scale, mask=mask)
     else:
         p_m, m = _state(state_ptrs, 0, T, t, idx, mask, ALIGNED)
         p_v, v = _state(state_ptrs, 1, T, t, idx, mask, ALIGNED)
@@ -297,10 +342,10 @@ def _step_kernel(
         tl.store(p_shift, shift, mask=mask)
         if UPDATE_B:
             tl.store(p_b, b_u, mask=mask)
-            tl.store(_typed_ptr(state_ptrs, 4 * T + t, tl.float32, ALIGNED) + idx, inv_bu, mask=mask)
+            tl.store(typed_ptr(state_ptrs, 4 * T + t, tl.float32, ALIGNED) + idx, inv_bu, mask=mask)
             partial = tl.sum(tl.where(mask, sqrt_s_hat, 0.0).to(tl.float64), axis=0)
             tl.store(partial_ptr + tl.program_id(0), partial)
-    tl.store(p_theta, _round_to(theta, ELEM), mask=mask)
+    tl.store(p_theta, round_to(theta, ELEM), mask=mask)
 
 
 # =============================================================================================
@@ -314,12 +359,12 @@ def _f32(x: float) -> float:
 
 
 def _filter_consts(coeffs: Sequence[float], prefix: str) -> dict:
-    """The term masks of filter coefficients ``[a, g, c.., d.., e.., f..]`` (``filter._filter``)."""
-    K = (len(coeffs) - 2) // 4
-    c, d, e, f = (coeffs[2 + i * K : 2 + (i + 1) * K] for i in range(4))
+    """The term masks of filter coefficients ``[a, g, c.., d.., e.., f..]`` (``filter.filter_step``)."""
+    co = _FILTER.split(list(coeffs))
+    K, c, d, e, f = len(co["c"]), co["c"], co["d"], co["e"], co["f"]
     w = [0.0 if (d[k], e[k], f[k]) == (1.0, 0.0, 0.0) else 1.0 for k in range(K)]
     bits = {"C": c, "D": d, "E": e, "F": f, "W": w}
-    masks = {f"{prefix}{n}_BITS": _bits(v) for n, v in bits.items()}
+    masks = {f"{prefix}{n}_BITS": term_bits(v) for n, v in bits.items()}
     return {f"{prefix}K": K, f"{prefix}_HAS_A": coeffs[0] != 0, **masks}
 
 
@@ -330,7 +375,7 @@ def _check_filter_coeffs(coeffs: Sequence[float], what: str) -> int:
     for i, c in enumerate(coeffs):
         if not math.isfinite(c):
             raise ValueError(f"{what}[{i}] is not finite: {c}")
-    return (len(coeffs) - 2) // 4
+    return _FILTER.buffers(len(coeffs))
 
 
 def _check_list(tensors, what: str, count: int, numels: Sequence[int], fp32: bool, device, L: int) -> None:
@@ -346,7 +391,7 @@ def _check_list(tensors, what: str, count: int, numels: Sequence[int], fp32: boo
             raise ValueError(f"{what}[{i}] has {x.numel()} elements, expected {numels[i % L]}")
         if fp32 and x.dtype != torch.float32:
             raise TypeError(f"{what}[{i}] has dtype {x.dtype}; expected float32")
-        if not fp32 and x.dtype not in _TL_DTYPES:
+        if not fp32 and x.dtype not in TL_DTYPES:
             raise TypeError(f"{what}[{i}] has dtype {x.dtype}; supported: float32, float16, bfloat16")
 
 
@@ -379,11 +424,7 @@ def _step(
     if not L:
         raise ValueError("params must not be empty")
     device = params[0].device
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"the triton backend runs on CUDA tensors, got {device} tensors; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing dpkernels (Triton interpreter)"
-        )
+    check_device(device)
     noise_std = float(noise_std)
     if not math.isfinite(noise_std) or noise_std < 0:
         raise ValueError(f"noise_std must be finite and >= 0, got {noise_std}")
@@ -408,7 +449,7 @@ def _step(
             raise ValueError(f"hyper[{i}] is not finite")
     for j in _RECIPROCAL_SLOTS.get(family, ()):
         hyper[j] = 1.0 / hyper[j] if hyper[j] else 0.0
-    counter = _check_counter(int(seed) & (2**64 - 1), step, stream, offset)  # the seed's 64 bits, unsigned
+    counter = check_counter(int(seed) & (2**64 - 1), step, stream, offset)  # the seed's 64 bits, unsigned
     mode = NOISE_GIVEN.value if noise else NOISE_FILTER.value if (noise_std > 0 or NK) else NOISE_NONE.value
 
     groups: dict[tuple[torch.dtype, bool], list[tuple[int, int]]] = {}
@@ -418,22 +459,22 @@ def _step(
         if n:
             lists = [params, sums, past, noise]
             tensors = [x[p] for x in lists if x] + state[p::L] + noise_state[p::L]
-            key = (params[p].dtype, _aligned(tensors, n, base, params[p].element_size()))
+            key = (params[p].dtype, is_aligned(tensors, n, params[p].element_size(), base))
             groups.setdefault(key, []).append((p, base))
         base += n
     flags = {**SWITCHES_OFF, **(flags or {})}
     update_b = flags["UPDATE_B"]
     if not groups:
         return torch.zeros((), dtype=torch.float64, device=device) if update_b else None
-    block = INTERPRETER_NOISE_BLOCK if _interpreting() else STEP_BLOCK
-    meta = _Meta()
+    block = tile_block(STEP_BLOCK)
+    meta = MetaTable()
     key_h = meta.add(counter)
-    coeff_h = meta.add(_coeff_bits([*noise_coeffs, *dir_coeffs]))
-    hyper_h = meta.add(_coeff_bits(hyper))
+    coeff_h = meta.add(fp32_bits([*noise_coeffs, *dir_coeffs]))
+    hyper_h = meta.add(fp32_bits(hyper))
     launches, total_tiles = [], 0
     for (dtype, aligned), members in groups.items():
         slots = [p for p, _ in members]
-        tile_slot, tile_start = _tiles([numels[p] for p in slots], [b for _, b in members], block)
+        tile_slot, tile_start = tiles([numels[p] for p in slots], [b for _, b in members], block)
         zeros = [0] * len(slots)
 
         def table(tensors, k_count=1, slots=slots, zeros=zeros):
@@ -461,12 +502,12 @@ def _step(
         FAMILY=family, VARIANT=variant, **flags, NOISE=mode, **_filter_consts(noise_coeffs, "N"),
         **_filter_consts(dir_coeffs if dir_coeffs else [1.0, 1.0], "D"), HAS_PAST=bool(past),
     )  # fmt: skip
-    with _device_guard(device):
+    with device_guard(device):
         for dtype, aligned, n_slots, h, first_tile, n_tiles in launches:
             _step_kernel[(n_tiles,)](
                 *(meta[x] for x in h), meta[key_h], meta[coeff_h], meta[hyper_h],
                 partial[first_tile:] if update_b else partial, noise_std, n_slots, **consts,
-                ELEM=_TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned, VEC=_VEC_BYTES // dtype.itemsize,
+                ELEM=TL_DTYPES[dtype], BLOCK=block, ALIGNED=aligned, VEC=VEC_BYTES // dtype.itemsize,
                 num_warps=STEP_NUM_WARPS, **STEP_COMPILE_OPTIONS,
             )  # fmt: skip
     # Fixed order (tile order of the launches), whatever the thread count: deterministic.
@@ -478,44 +519,38 @@ def _step(
 # =============================================================================================
 
 
-def _check_hyper(hyper: Sequence[float], family: int, name: str, choices: tuple[int, ...] = ()) -> int:
-    """Checks the count (and the integer last field against ``choices``); returns that field."""
-    n = _HYPER_LEN[family]
-    if len(hyper) != n:
-        raise ValueError(f"{name} takes {n} hyper-parameters, got {len(hyper)}")
-    if not choices:
-        return 0
-    if hyper[-1] not in choices:
-        raise ValueError(f"{name}: hyper[{n - 1}] must be one of {choices}, got {hyper[-1]}")
-    return int(hyper[-1])
+def _check_hyper(hyper: Sequence[float], family: int) -> dict:
+    """The named fields of ``hyper`` (count, finiteness and integer fields checked by the spec)."""
+    return _SPECS[family].unpack(hyper)
 
 
 def sgd_step_(params, sums, state, dir_coeffs, past, noise, noise_state, noise_coeffs, noise_std, seed, step, stream,
               offset, hyper) -> None:  # fmt: skip
     """DP-SGD / PSAC / PMLF step: ``d = g·filter(g̃ + λθ)`` over the ``K_d`` direction buffers
     ``state`` (``dir_coeffs``), ``past[l] ← θ`` (old value) when given, ``θ ← θ − η d``.
-    hyper: ``[1/B, η, λ]``."""
-    _check_hyper(hyper, SGD.value, "sgd_step_")
+    hyper: the ``SGD`` fields of dpkernels/_kernel_args.py."""
+    h = _check_hyper(hyper, SGD.value)
     K_d = _check_filter_coeffs(dir_coeffs, "dir_coeffs")
     noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
-    flags = {"HAS_WD": _f32(hyper[2]) != 0}
+    flags = {"HAS_WD": _f32(h["weight_decay"]) != 0}
     _step(SGD.value, params, sums, state, K_d, *noise_args, flags=flags, dir_coeffs=list(dir_coeffs), past=past)
 
 
 def dp2_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
               hyper) -> None:  # fmt: skip
-    """DP² step; ``state = [G, inv_d]``; hyper: ``[1/B, η, phase]`` (0: SGD phase, 1: adaptive)."""
-    phase = _check_hyper(hyper, DP2.value, "dp2_step_", (0, 1))
+    """DP² step; ``state = [G, inv_d]``; hyper: the ``DP2`` fields (phase 0: SGD, 1: adaptive)."""
+    phase = _check_hyper(hyper, DP2.value)["phase"]
     _step(DP2.value, params, sums, state, 2, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
           hyper, variant=phase)  # fmt: skip
 
 
 def adam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
                hyper) -> None:  # fmt: skip
-    """DP-Adam(W) / AdamBC / STP step; ``state = [m, v]`` (+ ``scale`` for STP); hyper: optim_math.h
-    ``AdamHyper`` order (15 values, the last the variant 0/1/2)."""
-    variant = _check_hyper(hyper, ADAM.value, "adam_step_", (0, 1, 2))
-    flags = {"HAS_DECAY": _f32(hyper[10]) != 1}
+    """DP-Adam(W) / AdamBC / STP step; ``state = [m, v]`` (+ ``scale`` for STP); hyper: the ``ADAM``
+    fields of dpkernels/_kernel_args.py (``variant`` 0/1/2)."""
+    h = _check_hyper(hyper, ADAM.value)
+    variant = h["variant"]
+    flags = {"HAS_DECAY": _f32(h["decay"]) != 1}
     noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
     n_state = 3 if variant == ADAM_STP.value else 2
     _step(ADAM.value, params, sums, state, n_state, *noise_args, variant=variant, flags=flags)
@@ -523,11 +558,12 @@ def adam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std,
 
 def macadam_step_(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset,
                   hyper) -> torch.Tensor:  # fmt: skip
-    """DP-MacAdam(-BC) step; ``state = [m, v, s, b_u, inv_bu, shift]``; hyper: optim_math.h
-    ``MacAdamHyper`` order (17 values, the last ``bc`` 0/1/2). Returns ``Σ√ŝ`` over every element
+    """DP-MacAdam(-BC) step; ``state = [m, v, s, b_u, inv_bu, shift]``; hyper: the
+    ``MACADAM`` fields of dpkernels/_kernel_args.py (``bc`` 0/1/2). Returns ``Σ√ŝ`` over every element
     as a float64 scalar tensor (0 when κ = 0)."""
-    bc = _check_hyper(hyper, MACADAM.value, "macadam_step_", (0, 1, 2))
-    update_b = _f32(hyper[13]) != 0
+    h = _check_hyper(hyper, MACADAM.value)
+    bc = h["bc"]
+    update_b = _f32(h["kappa"]) != 0
     noise_args = (noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper)
     total = _step(MACADAM.value, params, sums, state, 6, *noise_args, variant=bc, flags={"UPDATE_B": update_b})
     return total if update_b else torch.zeros((), dtype=torch.float64, device=params[0].device)

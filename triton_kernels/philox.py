@@ -1,6 +1,7 @@
-"""Philox4x32-10 and Box–Muller as ``@triton.jit`` functions, shared by the noise kernels
-(``noise.py``) and the private weighted sum (``clip.py``); the Triton twin of
-``csrc/include/dpkernels/philox.h``. Spec and accuracy notes: docs/RNG.md and ``noise.py``.
+"""Philox4x32-10 and Box–Muller as ``@triton.jit`` functions, shared by the tile normals of
+``common.py`` (the noise, filter and optimizer-step kernels) and the private weighted sum
+(``clip.py``); the Triton twin of ``csrc/include/dpkernels/philox.h``. Spec and accuracy notes:
+docs/RNG.md and ``noise.py``.
 """
 
 import triton

@@ -8,7 +8,8 @@ Notation (shapes per parameter tensor ``l`` of ``L``):
 - ``g_i^(j,l)``: per-sample gradient of sample ``i`` in gradient set ``j`` (``k`` sets), stored
   as a tensor ``[B, *param_shape]`` (Opacus's ``p.grad_sample`` layout).
 - ``v_i^(l) = Σ_j α_j g_i^(j,l)``: the combined per-sample gradient (DP-PMLF per-sample momentum,
-  "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841; ``k = 1`` and ``α = [1]`` otherwise).
+  "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering", arXiv:2511.08841; ``k = 1``
+  and ``α = [1]`` otherwise).
 - ``n_i = ‖(v_i − shift) ⊙ scale‖₂`` over all tensors together (flat), or per tensor
   (``per_layer=True``); ``shift``/``scale`` come from DP-MacAdam ("DP-MacAdam: Differentially Private
   Mechanism with Adaptive Clipping and Adaptive Momentum", arXiv:2606.05435) and scale-then-privatize

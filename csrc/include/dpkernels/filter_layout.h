@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dpkernels/filter.h"
+#include "dpkernels/kernel_args_parse.h"
 #include "dpkernels/macros.h"
 
 namespace dpkernels {
@@ -24,23 +25,16 @@ inline FilterLayout check_filter_inputs(at::TensorList inputs, at::TensorList st
                                         at::ArrayRef<double> coeffs, double noise_std,
                                         c10::DeviceType device) {
   FilterLayout lay;
-  DPK_CHECK(coeffs.size() >= 2 && (coeffs.size() - 2) % 4 == 0,
+  DPK_CHECK(coeffs.size() >= static_cast<size_t>(kFilterScalars) &&
+                (coeffs.size() - kFilterScalars) % kFilterGroups == 0,
             "coeffs must hold 2 + 4K values [a, g, c.., d.., e.., f..], got ", coeffs.size());
-  const int K = static_cast<int>((coeffs.size() - 2) / 4);
+  const int K = static_cast<int>((coeffs.size() - kFilterScalars) / kFilterGroups);
   DPK_CHECK(K <= kMaxFilterBuffers, "at most ", kMaxFilterBuffers, " state buffers per call, got ", K);
   for (size_t i = 0; i < coeffs.size(); ++i) {
     DPK_CHECK(std::isfinite(coeffs[i]), "coeffs[", i, "] is not finite: ", coeffs[i]);
   }
   DPK_CHECK(std::isfinite(noise_std) && noise_std >= 0, "noise_std must be finite and >= 0, got ", noise_std);
-  lay.fc.K = K;
-  lay.fc.a = static_cast<float>(coeffs[0]);
-  lay.fc.g = static_cast<float>(coeffs[1]);
-  for (int k = 0; k < K; ++k) {
-    lay.fc.c[k] = static_cast<float>(coeffs[2 + k]);
-    lay.fc.d[k] = static_cast<float>(coeffs[2 + K + k]);
-    lay.fc.e[k] = static_cast<float>(coeffs[2 + 2 * K + k]);
-    lay.fc.f[k] = static_cast<float>(coeffs[2 + 3 * K + k]);
-  }
+  fill_filter_coeffs(coeffs, K, lay.fc);
   if (!out.empty()) {
     lay.L = static_cast<int64_t>(out.size());
   } else if (!inputs.empty()) {

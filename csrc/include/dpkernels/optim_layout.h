@@ -1,5 +1,6 @@
 // Host-side validation and argument parsing of the fused optimizer steps (schemas: csrc/ops.cpp),
-// shared by the CPU and CUDA launchers.
+// shared by the CPU and CUDA launchers. The hyper lists are parsed by the generated
+// kernel_args_parse.h (parse_<family>_hyper).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 
 #include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
+#include "dpkernels/kernel_args_parse.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/optim_math.h"
 
@@ -24,22 +26,16 @@ struct StepLayout {
 };
 
 inline FilterCoeffs parse_filter_coeffs(at::ArrayRef<double> coeffs, const char* what) {
-  DPK_CHECK(coeffs.size() >= 2 && (coeffs.size() - 2) % 4 == 0, what,
-            " must hold 2 + 4K values [a, g, c.., d.., e.., f..], got ", coeffs.size());
+  DPK_CHECK(coeffs.size() >= static_cast<size_t>(kFilterScalars) &&
+                (coeffs.size() - kFilterScalars) % kFilterGroups == 0,
+            what, " must hold 2 + 4K values [a, g, c.., d.., e.., f..], got ", coeffs.size());
   FilterCoeffs fc{};
-  fc.K = static_cast<int>((coeffs.size() - 2) / 4);
+  fc.K = static_cast<int>((coeffs.size() - kFilterScalars) / kFilterGroups);
   DPK_CHECK(fc.K <= kMaxFilterBuffers, what, ": at most ", kMaxFilterBuffers, " buffers, got ", fc.K);
   for (size_t i = 0; i < coeffs.size(); ++i) {
     DPK_CHECK(std::isfinite(coeffs[i]), what, "[", i, "] is not finite: ", coeffs[i]);
   }
-  fc.a = static_cast<float>(coeffs[0]);
-  fc.g = static_cast<float>(coeffs[1]);
-  for (int k = 0; k < fc.K; ++k) {
-    fc.c[k] = static_cast<float>(coeffs[2 + k]);
-    fc.d[k] = static_cast<float>(coeffs[2 + fc.K + k]);
-    fc.e[k] = static_cast<float>(coeffs[2 + 2 * fc.K + k]);
-    fc.f[k] = static_cast<float>(coeffs[2 + 3 * fc.K + k]);
-  }
+  fill_filter_coeffs(coeffs, fc.K, fc);
   return fc;
 }
 
@@ -102,55 +98,6 @@ inline void check_past(at::TensorList params, at::TensorList past, c10::DeviceTy
     DPK_CHECK(past[l].scalar_type() == params[l].scalar_type(), "past[", l, "] has dtype ",
               past[l].scalar_type(), ", expected the parameter's ", params[l].scalar_type());
   }
-}
-
-// hyper lists in optim_math.h struct order; integer fields travel as exact floats.
-inline void check_hyper(at::ArrayRef<double> hyper, size_t n, const char* family) {
-  DPK_CHECK(hyper.size() == n, family, " takes ", n, " hyper-parameters, got ", hyper.size());
-  for (size_t i = 0; i < n; ++i) DPK_CHECK(std::isfinite(hyper[i]), family, " hyper[", i, "] is not finite");
-}
-
-inline SgdHyper parse_sgd_hyper(at::ArrayRef<double> h) {
-  check_hyper(h, 3, "sgd_step_");
-  return {static_cast<float>(h[0]), static_cast<float>(h[1]), static_cast<float>(h[2])};
-}
-
-inline Dp2Hyper parse_dp2_hyper(at::ArrayRef<double> h) {
-  check_hyper(h, 3, "dp2_step_");
-  DPK_CHECK(h[2] == 0 || h[2] == 1, "dp2_step_: phase must be 0 (sgd) or 1 (adaptive), got ", h[2]);
-  return {static_cast<float>(h[0]), static_cast<float>(h[1]), static_cast<int>(h[2])};
-}
-
-inline AdamHyper parse_adam_hyper(at::ArrayRef<double> h) {
-  check_hyper(h, 15, "adam_step_");
-  DPK_CHECK(h[14] == 0 || h[14] == 1 || h[14] == 2, "adam_step_: variant must be 0, 1 or 2, got ", h[14]);
-  AdamHyper a{};
-  // hyper[6..8] (1 − β1^t, 1 − β2^t, 1 − β2^(t−1)) enter as reciprocals, below.
-  float unused = 0.f;
-  float* f[] = {&a.inv_b, &a.lr,   &a.beta1, &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2, &unused,
-                &unused,  &unused, &a.eps,   &a.decay,           &a.phi,   &a.gamma,           &a.eps1};
-  for (size_t i = 0; i < 14; ++i) *f[i] = static_cast<float>(h[i]);
-  a.inv_bc1 = static_cast<float>(1.0 / h[6]);
-  a.inv_bc2 = static_cast<float>(1.0 / h[7]);
-  a.inv_bc2_prev = h[8] != 0 ? static_cast<float>(1.0 / h[8]) : 0.f;
-  a.variant = static_cast<int>(h[14]);
-  return a;
-}
-
-inline MacAdamHyper parse_macadam_hyper(at::ArrayRef<double> h) {
-  check_hyper(h, 17, "macadam_step_");
-  DPK_CHECK(h[16] == 0 || h[16] == 1 || h[16] == 2, "macadam_step_: bc must be 0, 1 or 2, got ", h[16]);
-  MacAdamHyper a{};
-  float unused = 0.f;  // hyper[6..7] enter as reciprocals, below
-  float* f[] = {&a.inv_b, &a.lr,    &a.beta1,   &a.one_minus_beta1, &a.beta2, &a.one_minus_beta2,
-                &unused,  &unused,  &a.eps,     &a.noise_var,       &a.gamma, &a.h1,
-                &a.h2,    &a.kappa, &a.c_total, &a.bscale};
-  for (size_t i = 0; i < 16; ++i) *f[i] = static_cast<float>(h[i]);
-  a.inv_bc1 = static_cast<float>(1.0 / h[6]);
-  a.inv_bc2 = static_cast<float>(1.0 / h[7]);
-  a.inv_kappa = h[13] != 0 ? static_cast<float>(1.0 / h[13]) : 0.f;
-  a.bc = static_cast<int>(h[16]);
-  return a;
 }
 
 }  // namespace dpkernels

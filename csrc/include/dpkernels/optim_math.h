@@ -1,5 +1,5 @@
 // Element math of the fused DP optimizer steps, shared by the CPU and CUDA kernels. Semantics:
-// dpkernels/reference/optim.py (the reference optimizers); the Triton twin is
+// dpkernels/reference/optim.py (the reference step functions); the Triton twin is
 // triton_kernels/optim.py; docs/ALGORITHMS.md ("Fused optimizer steps") lists the contract.
 //
 // Scalars are computed once on the host in float64 and rounded to fp32 (1 − β, 1 − β^t, 1/B,
@@ -17,65 +17,32 @@
 
 #include <cmath>
 
+#include "dpkernels/kernel_args.h"
 #include "dpkernels/macros.h"
 
 namespace dpkernels {
 
 // ---------------------------------------------------------------------------------------------
-// Families and their scalar arguments (the order of the `hyper` list of each op, csrc/ops.cpp).
-// ---------------------------------------------------------------------------------------------
-
+// Families and their scalar arguments: the structs SgdHyper, Dp2Hyper, AdamHyper, MacAdamHyper
+// and the enums Dp2Phase, AdamVariant, MacAdamBC are generated from dpkernels/_kernel_args.py
+// into kernel_args.h (tools/gen_kernel_args.py), as is the code that fills them from each op's
+// `hyper` list (kernel_args_parse.h).
+//
 // sgd: DP-SGD (+ coupled weight decay, heavy-ball momentum), DP-PSAC, DP-PMLF. The direction
 // d = filter(g + λθ) is linear_filter_'s element step on the family's K direction buffers
 // (momentum: 1 buffer; PMLF: the m and v̄ rings; plain SGD: none).
-struct SgdHyper {
-  float inv_b, lr, weight_decay;
-};
-
-// dp2: DP² delayed preconditioner. `phase` says which branch of the cycle this step is; the
-// refresh v ← βv + (1−β)(G/s1)², inv_d ← 1/(√v + ε), G ← 0 runs once per cycle, before the first
-// adaptive step's clipping (it needs the new inv_d), as plain tensor ops (dpkernels/optim.py).
-// G is 0 at the start of every cycle (it starts at 0 and the refresh zeroes it).
-enum class Dp2Phase : int {
-  kSgd = 0,       // g̃ = (S + ν)/B, G ← G + g̃, θ ← θ − η g̃
-  kAdaptive = 1,  // g̃ = (S · inv_d + ν)/B, θ ← θ − η2 g̃ (G and inv_d untouched)
-};
-struct Dp2Hyper {
-  float inv_b, lr;
-  int phase;  // Dp2Phase
-};
-
-// adam: DP-Adam(W), DP-AdamBC, scale-then-privatize.
-enum class AdamVariant : int { kAdam = 0, kBC = 1, kSTP = 2 };
-struct AdamHyper {
-  float inv_b, lr, beta1, one_minus_beta1, beta2, one_minus_beta2;
-  // Reciprocals of the bias corrections 1 − β1^t, 1 − β2^t and 1 − β2^(t−1) (STP's v̂_{t−1}; 0 at
-  // t = 1, where v̂_0 = 0), formed on the host in float64: a multiply per element instead of a
-  // division (vdivps is 5-10x a vmulps; the STP pass spent more time dividing than streaming).
-  float inv_bc1, inv_bc2, inv_bc2_prev;
-  float eps;         // Adam/STP: ε outside the sqrt (STP: ε₂)
-  float decay;       // 1 − ηλ (decoupled weight decay, AdamW); 1 without decay
-  float phi, gamma;  // BC: Φ, γ'
-  float eps1;        // STP: ε₁
-  int variant;
-};
-
+// dp2: DP² delayed preconditioner. `phase` says which branch of the cycle this step is
+// (kSgd: g̃ = (S + ν)/B, G ← G + g̃, θ ← θ − η g̃;
+// kAdaptive: g̃ = (S · inv_d + ν)/B, θ ← θ − η2 g̃).
+// The refresh v ← βv + (1−β)(G/s1)², inv_d ← 1/(√v + ε), G ← 0 runs once per cycle, before the
+// first adaptive step's clipping, as plain tensor ops (dpkernels/optim/dp2.py).
+// adam: DP-Adam(W), DP-AdamBC, scale-then-privatize. The bias corrections enter as reciprocals
+// formed on the host in float64: a multiply per element instead of a division.
 // macadam: DP-MacAdam(-BC). b_t = ŝ_t^{1/4}·√(Σ_j √ŝ_{t,j}) is kept as b_u = ŝ^{1/4} per element
 // and the global scalar bscale = √(Σ√ŝ): the sum is accumulated during the step pass and applied
-// in the next step (DESIGN decision: no extra pass over D). The step also writes the next clip
-// pass's inputs: shift = m̂_t and inv_bu = 1/b_u (its norms are then multiplied by 1/bscale).
-enum class MacAdamBC : int { kOff = 0, kPaper = 1, kB2 = 2 };
-struct MacAdamHyper {
-  float inv_b, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps;  // as AdamHyper
-  float noise_var;                                                                         // (σC/B)²
-  float gamma;                                                                             // BC floor γ'
-  float h1, h2;                                                                            // clamp of ŝ
-  float kappa;      // κ_t; 0 skips the ŝ/b update (t = 1)
-  float inv_kappa;  // 1/κ_t (0 with κ_t)
-  float c_total;    // Σ_i c_i of this step's clip weights
-  float bscale;     // √(Σ√ŝ) of the previous update (1 while b = b_0)
-  int bc;           // MacAdamBC
-};
+// in the next step (no extra pass over D). The step also writes the next clip pass's inputs:
+// shift = m̂_t and inv_bu = 1/b_u (its norms are then multiplied by 1/bscale).
+// ---------------------------------------------------------------------------------------------
 
 // One element of a DP-MacAdam step; returns the new θ. State: m, v, s (fp32), b_u, inv_bu, shift.
 // sqrt_sum accumulates √ŝ of the updated elements (the caller reduces it in float64).

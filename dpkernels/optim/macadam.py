@@ -1,0 +1,110 @@
+"""The macadam family (op ``macadam_step_``): DP-MacAdam and DP-MacAdamBC."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from .._kernel_args import MACADAM
+from ..reference.optim import macadam_kappa
+from ._base import DPOptimizer, _check_number, bias, check_betas
+
+__all__ = ["DPMacAdam"]
+
+
+class DPMacAdam(DPOptimizer):
+    """DP-MacAdam (Tasnim, Sankar, Kosut 2026, arXiv:2606.05435, Algorithm 1);
+    ``bias_correction=True`` gives DP-MacAdamBC, its bias-corrected variant.
+
+    Step ``t`` (``m̂_{t−1} = m_{t−1}/(1−β1^{t−1})``, ``m̂_0 = 0``; ``b_0 = b0·1``, default ``1/d``
+    with ``d`` the number of parameters of the optimizer)::
+
+        w_i  = (g_i − m̂_{t−1}) / b_{t−1};   c_i = f(‖w_i‖)       (unit clip: C = max_grad_norm = 1)
+        g̃   = b_{t−1} ⊙ (Σ_i c_i w_i + σ·C·z_t)/B + m̂_{t−1}
+        m, v, m̂_t, v̂_t as Adam;   θ ← θ − η m̂_t/(√v̂_t + γ)            (γ = eps, outside the sqrt)
+        BC:  θ ← θ − η m̂_t / sqrt(max(v̂_t − Φ, γ'))
+        u_t = (g̃ − m̂_t)²;   s_t = β1 s_{t−1} + (1−β1) u_t;   κ_t = 2(β1 − β1^t)/(1+β1)
+        ŝ_t = clamp(s_t/κ_t − b_{t−1}²σ²C²/B², h1, h2)
+        b_t = ŝ_t^{1/4} · (Σ_j √ŝ_{t,j})^{1/2}        Σ_j over ALL parameter tensors (global)
+
+    The map-back is computed as ``g̃ = (Σ c_i g_i − (Σ c_i) m̂_{t−1} + b_{t−1} ⊙ ν)/B + m̂_{t−1}``
+    (exact algebra: ``Σ c_i w_i = (Σ c_i g_i − (Σ c_i) m̂)/b``).
+
+    Decisions (docs/ALGORITHMS.md): at ``t = 1`` ``κ_1 = 0`` and ``s_1 = 0`` give 0/0, so while
+    ``κ_t = 0`` the ``ŝ``/``b`` update is skipped (``s_1`` is still updated, ``b_1 = b_0``).
+    ``bc_scale="paper"`` uses ``Φ = (σC/B)²`` as the paper writes it (C = 1: ``(σ/B)²``);
+    ``bc_scale="b2"`` uses the per-coordinate noise variance ``Φ = b_{t−1}²σ²C²/B²`` of ``g̃``.
+    ``max_grad_norm`` is the clip threshold in the transformed space: 1 in the paper (the default);
+    another C scales the clip and noise together (it is equivalent to ``b → C·b``).
+    Defaults: β = (0.9, 0.999), γ = 1e-8, h1 = 1e-9, h2 = 1e-6 (the paper's MNIST values and the
+    authors' config), γ' = 1e-8 (as DPAdamBC).
+
+    State: ``exp_avg``, ``exp_avg_sq``, ``s``; ``b = b_unnorm·bscale`` split into the per-element
+    ``b_unnorm = ŝ^{1/4}`` and the global ``bscale = √(Σ√ŝ)`` (``state_dict()["dp"]``; the step
+    accumulates the sum in its pass and applies it in the next step, so no extra pass); and the next
+    clip pass's inputs ``inv_b_unnorm = 1/b_unnorm`` and ``shift = m̂_t``. :meth:`b` returns ``b``.
+    """
+
+    _STATE_KEYS = ("exp_avg", "exp_avg_sq", "s", "b_unnorm", "inv_b_unnorm", "shift")
+    _PRIVACY_DEFAULTS = {"max_grad_norm": 1.0}
+
+    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps=1e-8, h1=1e-9, h2=1e-6, b0=None,
+                 bias_correction=False, gamma_prime=1e-8, bc_scale="paper", **privacy):  # fmt: skip
+        betas = check_betas(betas)
+        if betas[0] == 0.0:
+            raise ValueError("DPMacAdam needs betas[0] > 0: with beta1 = 0, kappa_t = 0 for every t")
+        _check_number("eps", eps, low=0.0)
+        _check_number("h1", h1, low=0.0, low_open=True)
+        _check_number("h2", h2, low=h1)
+        _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
+        if b0 is not None:
+            _check_number("b0", b0, low=0.0, low_open=True)
+        if bc_scale not in ("paper", "b2"):
+            raise ValueError(f"bc_scale must be 'paper' or 'b2', got {bc_scale!r}")
+        self.b0 = b0
+        self.bias_correction = bool(bias_correction)
+        self.bc_scale = bc_scale
+        self.bscale = 1.0  # b = b_unnorm · bscale; bscale = √(Σ√ŝ) of the last update
+        defaults = dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, gamma_prime=gamma_prime)
+        super().__init__(params, defaults, privacy)
+
+    def _init_state(self, p):
+        b0 = self.b0 if self.b0 is not None else 1.0 / sum(q.numel() for q in self._params())
+        z = self._zeros(p)
+        return dict(exp_avg=z, exp_avg_sq=z.clone(), s=z.clone(), b_unnorm=z + b0, inv_b_unnorm=1 / (z + b0),
+                    shift=z.clone())  # fmt: skip
+
+    def b(self, p: Tensor) -> Tensor:
+        """``b_t`` of ``p`` (``b_unnorm · bscale``)."""
+        return self.state[p]["b_unnorm"] * self.bscale
+
+    def _global_state(self):
+        return {**super()._global_state(), "bscale": self.bscale}
+
+    def _load_global_state(self, dp):
+        super()._load_global_state(dp)
+        self.bscale = float(dp["bscale"])
+
+    def _update(self, params, grad_sets, t, noise):
+        C, B, sigma = self.max_grad_norm, self.expected_batch_size, self.noise_multiplier
+        sums, c = self._clip_sums(
+            grad_sets, C, shift=[self.state[p]["shift"] for p in params],
+            scale=[self.state[p]["inv_b_unnorm"] for p in params], norm_scale=1.0 / self.bscale,
+        )  # fmt: skip
+        c_total = c.sum().item()
+        bc = 0 if not self.bias_correction else (1 if self.bc_scale == "paper" else 2)
+        kappas = {id(g): macadam_kappa(t, g["betas"][0]) for g in self.param_groups}
+
+        def hyper(g):
+            b1, b2 = g["betas"]
+            return dict(
+                inv_b=1.0 / B, lr=g["lr"], beta1=b1, one_minus_beta1=1 - b1, beta2=b2, one_minus_beta2=1 - b2,
+                bias1=bias(b1, t), bias2=bias(b2, t), eps=g["eps"], noise_var=(sigma * C / B) ** 2,
+                gamma=g["gamma_prime"], h1=g["h1"], h2=g["h2"], kappa=kappas[id(g)], c_total=c_total,
+                bscale=self.bscale, bc=bc,
+            )  # fmt: skip
+
+        sums_sqrt = self._run(MACADAM, params, sums, hyper, noise, sigma * C, t)
+        if any(kappas.values()):
+            self.bscale = math.sqrt(sum(float(x) for x in sums_sqrt))
