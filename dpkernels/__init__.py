@@ -22,8 +22,8 @@ from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, p
 from .correlated import BandedNoise, BLTNoise
 from .filter import linear_filter_
 
-# Fused DP optimizers (dpkernels.optim.DPSGD, DPAdam, ...); their pure-PyTorch twins are in
-# dpkernels.reference.optim.
+# DP optimizers (dpkernels.optim.DPSGD, DPAdam, ...), fused on every backend but reference, which
+# runs the pure-PyTorch step functions of dpkernels.reference.optim.
 from . import optim  # noqa: E402  isort: skip
 
 __version__ = "0.1.0"
