@@ -12,9 +12,10 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    optimizer step kernel (stores: in its fp32-parameter variants), compiled with the options its launcher
    passes (no FMA contraction). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
-2. Every ``csrc/cuda/*.cu`` is compiled with the flags and includes ``setup.py`` uses, all archs
-   in one nvcc invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any
-   kernel stack frame (local memory), or a compile error, fails the check. No ``.cu`` files, or
+2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
+   build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
+   invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any kernel stack
+   frame (local memory), or a compile error, fails the check. No ``.cu`` files, or
    no ``nvcc``, is reported as skipped.
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
@@ -34,6 +35,7 @@ and a test session usually has the interpreter on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -49,7 +51,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ARCHS = (80, 90)
+
+
+def _build_config():
+    """tools/build_config.py, loaded by path (tools/ is no package; tests load this file by path)."""
+    path = Path(__file__).resolve().parent / "build_config.py"
+    spec = importlib.util.spec_from_file_location("dpk_build_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = _build_config()
+DEFAULT_ARCHS = BUILD.CUDA_ARCHS
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
 NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
 FILTER_KERNELS = ("_filter_kernel", "_step_kernel")
@@ -133,7 +147,6 @@ def _triton_specs():
     torch allocations and for the int64 metadata slices the launchers pass.
     """
     import triton.language as tl
-
     from dpkernels.triton_kernels import clip as tk
     from dpkernels.triton_kernels import filter as tf
     from dpkernels.triton_kernels import noise as tn
@@ -226,7 +239,6 @@ def _step_specs():
     """The fused optimizer steps (triton_kernels/optim.py): every family and variant, independent
     (Philox), correlated (BLT noise buffers) and pre-drawn noise, fp32 and bf16 parameters."""
     import triton.language as tl
-
     from dpkernels.triton_kernels import optim as to
 
     tables = ("param_ptrs", "sum_ptrs", "state_ptrs", "past_ptrs", "noise_ptrs", "noise_state_ptrs", "numels", "bases")
@@ -291,10 +303,9 @@ def _triton_worker(archs: list[int]) -> list[dict]:
     """Compile every variant for every arch, in this process (which must not be interpreting)."""
     sys.path.insert(0, str(ROOT))
     import triton
+    from dpkernels.triton_kernels.optim import STEP_COMPILE_OPTIONS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from dpkernels.triton_kernels.optim import STEP_COMPILE_OPTIONS
 
     ptxas = triton.knobs.nvidia.ptxas.path
     # Launch options besides num_warps, per kernel (the ones its launcher passes).
@@ -389,19 +400,8 @@ def check_triton(archs=DEFAULT_ARCHS, timeout: float = 600) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _site_include_dirs() -> list[str]:
-    import site
-
-    dirs = []
-    for spec in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cusparse/include"):
-        for sp in map(Path, site.getsitepackages()):
-            if (sp / spec).is_dir():
-                dirs.append(str(sp / spec))
-    return dirs
-
-
 def nvcc_command(source: Path, out: Path, archs=DEFAULT_ARCHS, host: bool = False) -> list[str]:
-    """The nvcc line: setup.py's CUDA flags and includes, every arch at once, ``ptxas -v``.
+    """The nvcc line: the build's CUDA flags and includes, every arch at once, ``ptxas -v``.
 
     By default only the device code is compiled (``-fatbin``): registers and spills come from
     ptxas, and the host pass over the torch headers would double the time without telling
@@ -414,19 +414,18 @@ def nvcc_command(source: Path, out: Path, archs=DEFAULT_ARCHS, host: bool = Fals
     from torch.utils import cpp_extension
 
     torch_inc = Path(torch.__file__).parent / "include"
-    includes = [ROOT / "csrc/include", torch_inc, torch_inc / "torch/csrc/api/include"]
-    includes += [*_site_include_dirs(), sysconfig.get_paths()["include"]]
+    includes = [*BUILD.include_dirs(ROOT), torch_inc, torch_inc / "torch/csrc/api/include"]
+    includes += [*BUILD.nvidia_include_dirs(), sysconfig.get_paths()["include"]]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [shutil.which("nvcc") or "nvcc", "-c" if host else "-fatbin", str(source), "-o", str(out)]
-    # setup.py's nvcc flags (-std=c++20 there, so here too) plus what CUDAExtension adds.
-    cmd += ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    # The build's nvcc flags and defines plus what CUDAExtension adds.
+    cmd += BUILD.NVCC_FLAGS
     cmd += [f for f in cpp_extension.COMMON_NVCC_FLAGS if f not in cmd]
-    cmd += ["-DDPK_WITH_CUDA=1", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    cmd += [*BUILD.cuda_define_flags(), "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Xptxas", "-v", "--threads", str(len(archs))]
     if host:
         cmd += ["-Xcompiler", "-fPIC"]
-    for arch in archs:
-        cmd.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    cmd += BUILD.gencode_flags(archs, ptx_arch=None)  # SASS only: ptxas -v reports on it
     cmd += [f"-I{d}" for d in dict.fromkeys(map(str, includes))]
     return cmd
 
@@ -487,7 +486,7 @@ def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
     ``host``: full ``-c`` compile (host code too) instead of the device-only default.
     """
     t0 = time.perf_counter()
-    sources = sorted((ROOT / "csrc/cuda").glob("*.cu"))
+    sources = [ROOT / src for src in BUILD.sources(cuda=True, root=ROOT) if src.endswith(".cu")]
     if not sources:
         return {"status": "skipped", "reason": "no csrc/cuda/*.cu files", "sources": [], "elapsed_s": 0.0}
     if shutil.which("nvcc") is None:
@@ -571,7 +570,7 @@ def format_report(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (default 80 90)")
+    ap.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS), help="SM versions (%(default)s)")
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--skip-cuda", action="store_true")
     ap.add_argument("--host", action="store_true", help="nvcc -c (host code too) instead of device-only -fatbin")

@@ -1,0 +1,219 @@
+"""Build configuration of the dpkernels extension: the one place for its flags.
+
+setup.py, CMakeLists.txt, the Makefile and tools/gpu_static_check.py all read what is here; none
+of them spells a flag, an architecture or an include folder of its own. Standard library only, so
+setup.py can load it (by path: ``tools/`` is not a package) before torch is imported, and the
+Makefile and CMake can run it with any Python 3.10+.
+
+As a script::
+
+    python tools/build_config.py --cmake             # set(DPK_...) lines for CMake's execute_process
+    python tools/build_config.py --print cuda_home   # one value (lists: space-separated), e.g. for make
+    python tools/build_config.py --json              # everything, as JSON
+
+Environment switches (read by the functions below, so by every build):
+
+- ``CUDA_HOME``     the toolkit root; found from the nvcc on PATH when unset (:func:`real_cuda_home`).
+- ``DPK_CPU_ARCH``  extra ``-m`` flags for the CPU kernels instead of the detected ones
+  (:func:`cpu_arch_flags`); ``DPK_CPU_ARCH=`` (empty) means none.
+- ``DPK_BUILD_CUDA=0|1`` and ``DPK_SKIP_EXT=1`` are read by setup.py (CMake has its own
+  ``-DDPK_BUILD_CUDA=ON`` option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Include folder of the C++/CUDA sources (relative to ROOT).
+INCLUDE_DIRS = ("csrc/include",)
+
+# Source globs (relative to ROOT): C++ always, CUDA when the CUDA part is built.
+CXX_SOURCE_GLOBS = ("csrc/*.cpp", "csrc/cpu/*.cpp")
+CUDA_SOURCE_GLOBS = ("csrc/cuda/*.cu",)
+
+# C++ flags of every translation unit (the CPU arch flags below come after them).
+# -ffp-contract=off: no FMA contraction, so the element math rounds as written (and as the
+# reference), the same in every translation unit whatever it inlines; SIMD kernels ask for FMAs
+# explicitly. -fno-math-errno: sqrt need not set errno, so loops calling it vectorise (same
+# results); both must be command-line flags (GCC fixes the builtins' attributes per translation
+# unit, before any #pragma GCC optimize).
+CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+LINK_FLAGS = ("-fopenmp",)
+
+# nvcc flags of every .cu file (the -gencode list comes after them).
+NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo")
+# Machine code (SASS) for each of these; PTX for the last one too, so newer GPUs JIT it.
+CUDA_ARCHS = (80, 90)
+PTX_ARCH = 90
+# Defined in every translation unit when the CUDA part is built.
+CUDA_DEFINES = (("DPK_WITH_CUDA", "1"),)
+
+# PyTorch's CUDA headers include cusparse.h/cublas.h, shipped by the nvidia wheels (relative to a
+# site-packages folder); the toolkit may not have them.
+NVIDIA_INCLUDE_SPECS = ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cusparse/include")
+
+
+def real_cuda_home() -> str | None:
+    """The toolkit root of the nvcc that will actually run (``CUDA_HOME`` when set).
+
+    ``nvcc`` may be a wrapper script outside the toolkit, so ask the driver where it lives
+    (``_HERE_`` in its dry-run trace) instead of guessing from the wrapper's path.
+    """
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        trace = subprocess.run(
+            [nvcc, "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stderr
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"_HERE_=(\S+)", trace)
+    return str(Path(match.group(1)).parent) if match else str(Path(nvcc).resolve().parent.parent)
+
+
+def cpu_arch_flags() -> list[str]:
+    """``-m`` flags (and at::vec's CPU_CAPABILITY defines) for the CPU kernels.
+
+    ``DPK_CPU_ARCH`` when set; otherwise AVX2+FMA, plus AVX-512F for the noise generator, when the
+    build machine has them, since the library is built where it runs.
+    """
+    if "DPK_CPU_ARCH" in os.environ:
+        return os.environ["DPK_CPU_ARCH"].split()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    if " avx2" not in flags or " fma" not in flags:
+        return []
+    # at::vec picks its AVX2 specialisations from CPU_CAPABILITY_AVX2 (the streaming kernels are
+    # memory-bound; 256-bit vectors saturate them).
+    arch = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    if " avx512f" in flags:
+        # The noise generator is compute-bound: it takes 16-lane Philox and Box-Muller paths.
+        arch.append("-mavx512f")
+    return arch
+
+
+def cxx_flags() -> list[str]:
+    """Every C++ compile flag: :data:`CXX_FLAGS` then :func:`cpu_arch_flags`."""
+    return [*CXX_FLAGS, *cpu_arch_flags()]
+
+
+def gencode_flags(archs=CUDA_ARCHS, ptx_arch: int | None = PTX_ARCH) -> list[str]:
+    """``-gencode`` flags: SASS for each of ``archs``, and PTX for ``ptx_arch`` (None: no PTX)."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    if ptx_arch is not None:
+        flags.append(f"-gencode=arch=compute_{ptx_arch},code=compute_{ptx_arch}")
+    return flags
+
+
+def nvcc_flags() -> list[str]:
+    """Every nvcc flag of the extension build: :data:`NVCC_FLAGS` then :func:`gencode_flags`."""
+    return [*NVCC_FLAGS, *gencode_flags()]
+
+
+def cuda_define_flags() -> list[str]:
+    """:data:`CUDA_DEFINES` as ``-DNAME=VALUE`` flags."""
+    return [f"-D{name}={value}" for name, value in CUDA_DEFINES]
+
+
+def include_dirs(root: Path = ROOT) -> list[str]:
+    """The sources' include folders, absolute (under ``root``, the repository by default)."""
+    return [str(root / d) for d in INCLUDE_DIRS]
+
+
+def nvidia_include_dirs(site_dirs=None) -> list[str]:
+    """The nvidia wheels' include folders that exist, in :data:`NVIDIA_INCLUDE_SPECS` order.
+
+    ``site_dirs``: the site-packages folders to look in (default: this interpreter's, then any
+    other site-packages folder on ``sys.path``, e.g. a base virtual environment's that a ``.pth``
+    file adds, as tools/gpu_check.py does).
+    """
+    if site_dirs is None:
+        site_dirs = site.getsitepackages()
+        site_dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and p not in site_dirs]
+    sites = list(map(Path, site_dirs))
+    return [str(sp / spec) for spec in NVIDIA_INCLUDE_SPECS for sp in sites if (sp / spec).is_dir()]
+
+
+def sources(cuda: bool, root: Path = ROOT) -> list[str]:
+    """The extension's source files relative to ``root``, sorted within each glob."""
+    globs = [*CXX_SOURCE_GLOBS, *(CUDA_SOURCE_GLOBS if cuda else ())]
+    return [str(p.relative_to(root)) for g in globs for p in sorted(root.glob(g))]
+
+
+def torch_cuda_arch_list() -> list[str]:
+    """:data:`CUDA_ARCHS` as TORCH_CUDA_ARCH_LIST entries (``["8.0", "9.0"]``)."""
+    return [f"{a // 10}.{a % 10}" for a in CUDA_ARCHS]
+
+
+def values() -> dict:
+    """Every value, as plain lists and strings (the ``--json`` and ``--cmake`` output)."""
+    return {
+        "cuda_home": real_cuda_home() or "",
+        "include_dirs": include_dirs(),
+        "nvidia_include_dirs": nvidia_include_dirs(),
+        "cxx_source_globs": list(CXX_SOURCE_GLOBS),
+        "cuda_source_globs": list(CUDA_SOURCE_GLOBS),
+        "cxx_flags": cxx_flags(),
+        "link_flags": list(LINK_FLAGS),
+        "nvcc_flags": nvcc_flags(),
+        "cuda_defines": [f"{name}={value}" for name, value in CUDA_DEFINES],
+        "cuda_archs": [str(a) for a in CUDA_ARCHS],
+        "ptx_arch": str(PTX_ARCH),
+        "torch_cuda_arch_list": torch_cuda_arch_list(),
+    }
+
+
+def _cmake_quote(value: str) -> str:
+    return '"' + re.sub(r'([\\"$;])', r"\\\1", value) + '"'
+
+
+def cmake_lines(vals: dict) -> str:
+    """``set(DPK_<NAME> ...)`` per value: lists become CMake lists, strings quoted strings."""
+    lines = []
+    for key, val in vals.items():
+        items = val if isinstance(val, list) else [val]
+        lines.append(f"set(DPK_{key.upper()} {' '.join(map(_cmake_quote, items))})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--cmake", action="store_true", help="set(DPK_...) lines for CMake")
+    group.add_argument("--json", action="store_true", help="every value as JSON")
+    group.add_argument("--print", metavar="NAME", help="one value (a list: space-separated)")
+    args = ap.parse_args(argv)
+    if args.print:
+        # Only what is asked for, so `--print cuda_home` does not scan site-packages.
+        getters = {"cuda_home": lambda: real_cuda_home() or ""}
+        val = getters[args.print]() if args.print in getters else values().get(args.print)
+        if val is None:
+            ap.error(f"unknown value {args.print!r}; choose from {', '.join(values())}")
+        print(" ".join(val) if isinstance(val, list) else val)
+    elif args.cmake:
+        print(cmake_lines(values()))
+    else:
+        print(json.dumps(values(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
