@@ -15,16 +15,14 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <array>
 #include <cstdint>
 #include <vector>
 
-#include "dpkernels/dispatch.h"
 #include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
-#include "launch_args.cuh"
+#include "multi_tensor.cuh"
 #include "step_stream.cuh"
 
 namespace dpkernels {
@@ -33,7 +31,7 @@ namespace {
 // Tensor lists of the table: inputs, out, then state buffer k at kFilterState + k.
 constexpr int kFilterIn = 0, kFilterOut = 1, kFilterState = 2;
 static_assert(sizeof(StreamTable) + sizeof(FilterCoeffs) + kScalarArgBytes <= kArgBytes);
-static_assert(kFilterState + kMaxFilterBuffers <= kStreamPtrs);
+static_assert(kFilterState + kMaxFilterBuffers <= StreamTable::kPtrs);
 
 // Flags of one launch (uniform over the grid).
 struct FilterFlags {
@@ -62,17 +60,6 @@ __global__ void __launch_bounds__(kStreamThreads)
   stream_blocks(tab, num_chunks, body, [](int64_t) {});
 }
 
-template <typename T>
-void launch_filter(const std::vector<StreamItem>& items, const FilterCoeffs& fc, const NoiseKey& key, float s,
-                   FilterFlags fl) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  for_each_stream_table(items, kFilterState + fc.K, [&](const StreamTable& tab, int64_t chunks, int64_t) {
-    filter_kernel<T>
-        <<<stream_grid(filter_kernel<T>, chunks), kStreamThreads, 0, stream>>>(tab, fc, chunks, key, s, fl);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorList out,
                         at::ArrayRef<double> coeffs, bool accumulate, double noise_std, int64_t seed,
                         int64_t step, int64_t stream, int64_t offset) {
@@ -82,24 +69,27 @@ void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorL
   const c10::cuda::CUDAGuard guard(common_device({out, inputs, state}));
   const int K = lay.fc.K;
   const FilterFlags fl{!inputs.empty(), !out.empty(), accumulate, noise_std > 0};
-  std::array<std::vector<StreamItem>, kStreamTypes.size()> groups;
-  int64_t base = offset;
-  for (int64_t l = 0; l < lay.L; ++l) {
-    if (lay.numel[l] > 0) {
-      std::vector<void*> ptrs{inputs.empty() ? nullptr : inputs[l].data_ptr(),
-                              out.empty() ? nullptr : out[l].data_ptr()};
-      for (int k = 0; k < K; ++k) ptrs.push_back(state[k * lay.L + l].data_ptr());
-      const at::ScalarType type =
-          !out.empty() ? out[l].scalar_type() : (!inputs.empty() ? inputs[l].scalar_type() : at::kFloat);
-      groups[stream_type_index(type)].push_back(make_stream_item(std::move(ptrs), lay.numel[l], base));
-    }
-    base += lay.numel[l];
-  }
   const float s = static_cast<float>(noise_std);
-  for (size_t g = 0; g < groups.size(); ++g) {
-    DPK_DISPATCH_GRAD_TYPES(kStreamTypes[g], "linear_filter_",
-                            [&] { launch_filter<scalar_t>(groups[g], lay.fc, key, s, fl); });
-  }
+  const TypeGroups groups = group_by_type(tensor_refs(lay.numel, offset), [&](int64_t l) {
+    return !out.empty() ? out[l].scalar_type() : (!inputs.empty() ? inputs[l].scalar_type() : at::kFloat);
+  });
+  const auto fill = [&](const void** row, const TensorRef& t) {
+    const int64_t l = t.index;
+    row[kFilterIn] = inputs.empty() ? nullptr : inputs[l].data_ptr();
+    row[kFilterOut] = out.empty() ? nullptr : out[l].data_ptr();
+    for (int k = 0; k < K; ++k) row[kFilterState + k] = state[k * lay.L + l].data_ptr();
+    return stream_width(row, kFilterState + K, t.elem0);
+  };
+  const cudaStream_t cuda_stream = at::cuda::getCurrentCUDAStream();
+  for_each_type(groups, [&](auto tag, const std::vector<TensorRef>& refs) {
+    const auto kernel = filter_kernel<typename decltype(tag)::type>;
+    for_each_table<StreamChunks, StreamTable>(
+        refs, kFilterState + K, kAnyChunks, fill, [&](const StreamTable& tab, int64_t chunks, int64_t) {
+          kernel<<<one_wave(kernel, kStreamThreads, chunks), kStreamThreads, 0, cuda_stream>>>(
+              tab, lay.fc, chunks, key, s, fl);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  });
 }
 
 }  // namespace

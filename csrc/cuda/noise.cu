@@ -17,22 +17,21 @@
 // secure mode, docs/RNG.md §6), handled one quad of 4 elements at a time with the same access paths.
 //
 // [note: noise launches]
-// The Philox blocks of a tensor are cut into chunks of kNoiseChunk blocks (one CUDA block runs a
-// chunk: kNoiseThreads threads, kNoiseIters blocks each, thread t taking t, t + kNoiseThreads, ...,
-// so that a warp writes consecutive addresses). add_gaussian_noise_ covers all tensors of one
-// storage dtype with one launch, its metadata in a __grid_constant__ table passed by value (see
-// [note: multi-tensor launches] in clip.cu); the table holds each tensor's first chunk number, and
-// a CUDA block finds the tensor of its chunk by a binary search over them (uniform across the
-// block, so the reads are broadcasts from the constant cache). The grid is at most one wave of
-// resident blocks that strides over the chunks, so any number of elements takes one launch.
-// gaussian_fill_ and philox_uint32_ use the same kernel with a one-entry table.
+// The work items of a tensor are cut into chunks of kNoiseChunk items (one CUDA block runs a chunk:
+// kNoiseThreads threads, kNoiseIters items each, thread t taking t, t + kNoiseThreads, ..., so that a
+// warp writes consecutive addresses), on the driver of multi_tensor.cuh (see [note: multi-tensor
+// launches] and [note: chunk grid] there, a work item being a unit). add_gaussian_noise_ covers all
+// tensors of one storage dtype with one launch; the grid is at most one wave of resident blocks that
+// strides over the chunks, so any number of elements takes one launch. gaussian_fill_ and
+// philox_uint32_ use the same kernel with a one-slot table.
 //
 // [note: noise stores]
-// A thread whose 4 elements all lie in its tensor moves them with as few accesses as their address
-// allows: one access of 4 elements when it is aligned to 4 elements (16 bytes for fp32, 8 for
-// fp16/bf16; two 16-byte ones for int64), two of 2 elements when aligned to 2, else 4 scalar ones.
-// Alignment is a property of the tensor (its base address and e0 % 4), so it is uniform over a
-// tensor and the paths do not diverge inside a warp except at a tensor's first and last block.
+// A thread moves each quad of 4 elements that lies wholly in its tensor with as few accesses as the
+// quad's address allows: one access of 4 elements when it is aligned to 4 elements (16 bytes for
+// fp32, 8 for fp16/bf16; two 16-byte ones for int64), two of 2 elements when aligned to 2, else 4
+// scalar ones; a quad that straddles the tensor's ends goes element by element. Alignment is a
+// property of the tensor (its base address and e0 % 4), so the launcher sets it as the slot's width
+// and the paths do not diverge inside a warp except at a tensor's first and last block.
 //
 // [note: noise rounding]
 // As on the CPU and in the reference: std is rounded to fp32 once, std * z is rounded to fp32, the
@@ -48,46 +47,33 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #include "dpkernels/chacha20.h"
-#include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
-#include "launch_args.cuh"
+#include "multi_tensor.cuh"
 
 namespace dpkernels {
 namespace {
 
-constexpr int kMaxNoiseSlots = kLargeKernelArgs ? 960 : 120;  // tensors per add_gaussian_noise_ launch
+constexpr int kMaxNoiseSlots = kLargeKernelArgs ? 800 : 96;  // tensors per add_gaussian_noise_ launch
 
 constexpr int kNoiseThreads = 256;
-// Philox blocks per thread and chunk: a chunk is kNoiseChunk Philox blocks, 4 * kNoiseChunk
-// elements (16 KiB of fp32), enough to amortise the chunk's table lookup.
+// Work items per thread and chunk: a chunk is kNoiseChunk items, 4 * kNoiseChunk elements (16 KiB of
+// fp32) in Philox mode, enough to amortise the chunk's table lookup.
 constexpr int kNoiseIters = 4;
 constexpr int64_t kNoiseChunk = int64_t{kNoiseThreads} * kNoiseIters;
 
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 enum class NoiseOp { kWords, kFill, kAdd };
 
-// Tensors of one launch (see [note: noise launches]). Slot s: ptr[s] holds numel[s] > 0 elements,
-// element i being global element elem0[s] + i; its chunks are first_chunk[s] .. first_chunk[s + 1] - 1
-// (the last slot's end is the kernel's num_chunks argument).
+// One tensor per slot, kSlots per launch.
 template <int kSlots>
-struct NoiseTable {
-  void* ptr[kSlots];
-  int64_t numel[kSlots];
-  int64_t elem0[kSlots];
-  int64_t first_chunk[kSlots];
-  int32_t count;
-};
+using NoiseTable = TensorTable<kSlots, kSlots>;
 static_assert(sizeof(NoiseTable<kMaxNoiseSlots>) + kScalarArgBytes <= kArgBytes);
 
 // ---------------------------------------------------------------------------------------------
@@ -98,85 +84,6 @@ static_assert(sizeof(NoiseTable<kMaxNoiseSlots>) + kScalarArgBytes <= kArgBytes)
 template <typename T>
 constexpr int max_width() {
   return static_cast<int>(std::min<size_t>(4, 16 / sizeof(T)));
-}
-
-// W > 1 elements of T as one access of 32-bit words.
-template <int kBytes>
-struct RawWords;
-template <>
-struct RawWords<16> {
-  using type = uint4;
-};
-template <>
-struct RawWords<8> {
-  using type = uint2;
-};
-template <>
-struct RawWords<4> {
-  using type = unsigned int;
-};
-
-// p[0 .. 3] as 4 / W accesses of W elements; p is aligned to W elements. The wide accesses go
-// through __ldca/__stwb (the default cache policy, written out), whose width the compiler keeps:
-// plain stores of the same values on the other paths would otherwise be merged with these into
-// scalar ones.
-template <int W, typename T>
-__device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
-  if constexpr (W == 1) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = static_cast<float>(p[j]);
-  } else {
-    using Raw = typename RawWords<W * sizeof(T)>::type;
-#pragma unroll
-    for (int q = 0; q < 4 / W; ++q) {
-      const Raw r = __ldca(reinterpret_cast<const Raw*>(p + q * W));
-      T v[W];
-      memcpy(v, &r, sizeof(Raw));
-#pragma unroll
-      for (int e = 0; e < W; ++e) x[q * W + e] = static_cast<float>(v[e]);
-    }
-  }
-}
-
-template <int W, typename T>
-__device__ __forceinline__ void store4(T* p, const T (&v)[4]) {
-  if constexpr (W == 1) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = v[j];
-  } else {
-    using Raw = typename RawWords<W * sizeof(T)>::type;
-#pragma unroll
-    for (int q = 0; q < 4 / W; ++q) {
-      Raw r;
-      memcpy(&r, v + q * W, sizeof(Raw));
-      __stwb(reinterpret_cast<Raw*>(p + q * W), r);
-    }
-  }
-}
-
-// How a thread reaches its 4 elements (see [note: noise stores]).
-enum Access : int { kPartial = 0, kScalar = 1, kHalf = 2, kFull = 3 };
-
-// p[i0 .. i0 + 3] for a tensor of n elements; i0 may be negative (down to -3) or near n.
-template <typename T>
-__device__ __forceinline__ int access_of(const T* p, int64_t i0, int64_t n) {
-  constexpr int kW = max_width<T>();
-  if (i0 < 0 || i0 + 4 > n) return kPartial;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p + i0);
-  if (a % (kW * sizeof(T)) == 0) return kFull;
-  if (kW == 4 && a % (2 * sizeof(T)) == 0) return kHalf;
-  return kScalar;
-}
-
-// The slot whose chunks include chunk c: the last s < count with first_chunk[s] <= c. first_chunk is
-// strictly increasing (every slot has at least one chunk) and first_chunk[0] = 0.
-template <int kSlots>
-__device__ __forceinline__ int find_slot(const NoiseTable<kSlots>& tab, int64_t c) {
-  if constexpr (kSlots == 1) {
-    return 0;
-  } else {
-    return find_chunk_slot(tab.first_chunk, tab.count, c);
-  }
 }
 
 // The generators (see [note: noise generators]). A work item is one generator call: elems<kOp>()
@@ -240,51 +147,51 @@ struct ChachaGen {
   }
 };
 
-// p[i0 .. i0 + 3] (some may lie outside [0, n): partial) read into x / written from v, by access `acc`.
+// Elements per access for the quad p[i0 .. i0 + 3] of a tensor of n elements and width w: 0 when the
+// quad straddles the tensor's ends (i0 may be negative, down to -3, or near n).
+__device__ __forceinline__ int quad_access(int64_t i0, int64_t n, int w) {
+  return i0 >= 0 && i0 + 4 <= n ? w : 0;
+}
+
+// p[i0 .. i0 + 3] read into x / written from v, by quad_access `acc`.
 template <typename T>
 __device__ __forceinline__ void load_quad(const T* p, int64_t i0, int64_t n, int acc, float (&x)[4]) {
   constexpr int kW = max_width<T>();
-  if (acc == kFull) {
-    load4<kW>(p + i0, x);
-  } else if (acc == kHalf) {
-    if constexpr (kW == 4) load4<2>(p + i0, x);
-  } else if (acc == kScalar) {
-    load4<1>(p + i0, x);
+  if (acc == kW) {
+    load_vec<kW>(p + i0, x);
+  } else if (acc == 2) {
+    if constexpr (kW == 4) load_vec<2>(p + i0, x);
+  } else if (acc == 1) {
+    load_vec<1>(p + i0, x);
   } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (i0 + j >= 0 && i0 + j < n) x[j] = static_cast<float>(p[i0 + j]);
-    }
+    load_tail<4, 1, true>(p, i0, n, x);
   }
 }
 
 template <typename T>
 __device__ __forceinline__ void store_quad(T* p, int64_t i0, int64_t n, int acc, const T (&v)[4]) {
   constexpr int kW = max_width<T>();
-  if (acc == kFull) {
-    store4<kW>(p + i0, v);
-  } else if (acc == kHalf) {
-    if constexpr (kW == 4) store4<2>(p + i0, v);
-  } else if (acc == kScalar) {
-    store4<1>(p + i0, v);
+  if (acc == kW) {
+    store_vec<kW>(p + i0, v);
+  } else if (acc == 2) {
+    if constexpr (kW == 4) store_vec<2>(p + i0, v);
+  } else if (acc == 1) {
+    store_vec<1>(p + i0, v);
   } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (i0 + j >= 0 && i0 + j < n) p[i0 + j] = v[j];
-    }
+    store_tail<4, 1, true>(p, i0, n, v);
   }
 }
 
-// Work item `item` of the stream, whose element j is element i0 + j of the n-element tensor p (see
-// [note: noise work items]), one quad of 4 elements at a time. kWords: p[i] = word; kFill: p[i] =
-// round(s * z); kAdd: p[i] = round(p[i] + s * z).
+// Work item `item` of the stream, whose element j is element i0 + j of the n-element tensor p of
+// width w (see [note: noise work items]), one quad of 4 elements at a time. kWords: p[i] = word;
+// kFill: p[i] = round(s * z); kAdd: p[i] = round(p[i] + s * z).
 template <typename T, NoiseOp kOp, typename Gen>
-__device__ __forceinline__ void noise_item(T* __restrict__ p, int64_t i0, int64_t n, uint64_t item,
+__device__ __forceinline__ void noise_item(T* __restrict__ p, int64_t i0, int64_t n, int w, uint64_t item,
                                            const typename Gen::Key& key, typename Gen::Scale s) {
   constexpr int kQuads = Gen::template elems<kOp>() / 4;
   int acc[kQuads];
 #pragma unroll
-  for (int q = 0; q < kQuads; ++q) acc[q] = access_of(p, i0 + 4 * q, n);
+  for (int q = 0; q < kQuads; ++q) acc[q] = quad_access(i0 + 4 * q, n, w);
   // The old values are loaded before the generator runs, so that the loads are in flight meanwhile.
   float x[kQuads][4] = {};
   if constexpr (kOp == NoiseOp::kAdd) {
@@ -297,82 +204,55 @@ __device__ __forceinline__ void noise_item(T* __restrict__ p, int64_t i0, int64_
   for (int q = 0; q < kQuads; ++q) store_quad(p, i0 + 4 * q, n, acc[q], v[q]);
 }
 
-// Chunks blockIdx.x, blockIdx.x + gridDim.x, ... < num_chunks of the table (see [note: noise
-// launches]). Chunk c of slot s is the slot's work items q * kNoiseChunk .. (q + 1) * kNoiseChunk - 1
-// counted from its first, elem0[s] / kE, where q = c - first_chunk[s] and kE elements make an item.
+// The chunking of work items of kE = Gen::elems<kOp>() elements.
+template <typename Gen, NoiseOp kOp>
+using NoiseChunks = Chunking<kNoiseChunk * Gen::template elems<kOp>(), Gen::template elems<kOp>()>;
+
+// The chunks blockIdx.x, blockIdx.x + gridDim.x, ... < num_chunks of the table (see [note: noise
+// launches]), one work item per thread at a time.
 template <typename T, NoiseOp kOp, int kSlots, typename Gen>
 __global__ void __launch_bounds__(kNoiseThreads)
     noise_kernel(const __grid_constant__ NoiseTable<kSlots> tab, int64_t num_chunks, typename Gen::Key key,
                  typename Gen::Scale s) {
-  constexpr int64_t kE = Gen::template elems<kOp>();
-  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
-    const int slot = find_slot(tab, c);
-    T* const p = static_cast<T*>(tab.ptr[slot]);
-    const int64_t n = tab.numel[slot], e0 = tab.elem0[slot];
-    // Slot-local item u is global item e0 / kE + u and holds elements kE u - e0 % kE .. of the tensor.
-    const uint64_t first_item = static_cast<uint64_t>(e0) / kE;
-    const int64_t lead = e0 % kE;
-    const int64_t u0 = (c - tab.first_chunk[slot]) * kNoiseChunk + threadIdx.x;
-#pragma unroll 1
-    for (int k = 0; k < kNoiseIters; ++k) {
-      const int64_t u = u0 + int64_t{k} * kNoiseThreads;
-      const int64_t i0 = kE * u - lead;
-      if (i0 >= n) break;  // u only grows with k
-      noise_item<T, kOp, Gen>(p, i0, n, first_item + static_cast<uint64_t>(u), key, s);
-    }
-  }
+  using Chunks = NoiseChunks<Gen, kOp>;
+  Chunks::for_each_chunk(tab, num_chunks, [&](int64_t, const ChunkRef& ch) {
+    T* const p = tab.template tensor<T>(ch.slot, 0);
+    Chunks::template for_each_unit<kNoiseThreads>(ch, [&](int64_t i0, uint64_t item) {
+      noise_item<T, kOp, Gen>(p, i0, ch.numel, ch.width, item, key, s);
+    });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
 
-// A tensor's share of the stream: numel > 0 elements at ptr, element i being global element elem0 + i.
-struct NoiseItem {
-  void* ptr;
-  int64_t numel;
-  int64_t elem0;
-};
-
-// Chunks of a tensor: its work items elem0 / kE .. (elem0 + numel + kE - 1) / kE - 1, kNoiseChunk at a time.
-int64_t noise_chunks(const NoiseItem& it, int64_t kE) {
-  const int64_t items = (it.elem0 + it.numel + kE - 1) / kE - it.elem0 / kE;
-  return ceil_div(items, kNoiseChunk);
+// The width of a tensor at p whose element 0 is global element e0 (see [note: noise stores]): the
+// alignment of its quads, which start lead = e0 % 4 elements before p.
+template <typename T>
+int quad_width(const void* p, int64_t e0) {
+  constexpr int kW = max_width<T>();
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(e0 % 4) * sizeof(T);
+  if (a % (kW * sizeof(T)) == 0) return kW;
+  if (kW == 4 && a % (2 * sizeof(T)) == 0) return 2;
+  return 1;
 }
 
-// Runs noise_kernel over items (any order, non-overlapping memory), kSlots tensors per launch.
+// Runs noise_kernel over refs into tensors (any order, non-overlapping memory), kSlots tensors per launch.
 template <typename T, NoiseOp kOp, int kSlots, typename Gen>
-void launch_noise(const std::vector<NoiseItem>& items, const typename Gen::Key& key, typename Gen::Scale s) {
-  if (items.empty()) return;
+void launch_noise(at::TensorList tensors, const std::vector<TensorRef>& refs, const typename Gen::Key& key,
+                  typename Gen::Scale s) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  // Exactly one wave of resident blocks: every block strides over the same number of chunks (give
-  // or take one), so a partial second wave would double the time of the blocks in it.
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, noise_kernel<T, kOp, kSlots, Gen>,
-                                                               kNoiseThreads, /*dynamicSMemSize=*/0));
-  const int64_t max_grid = int64_t{prop->multiProcessorCount} * std::max(1, per_sm);
-  NoiseTable<kSlots> tab{};
-  int64_t chunks = 0;
-  const auto flush = [&] {
-    if (tab.count > 0) {
-      const auto grid = static_cast<unsigned>(std::min(chunks, max_grid));
-      noise_kernel<T, kOp, kSlots, Gen><<<grid, kNoiseThreads, 0, stream>>>(tab, chunks, key, s);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    tab.count = 0;
-    chunks = 0;
+  const auto kernel = noise_kernel<T, kOp, kSlots, Gen>;
+  const auto fill = [&](const void** row, const TensorRef& t) {
+    row[0] = tensors[t.index].data_ptr();
+    return quad_width<T>(row[0], t.elem0);
   };
-  for (const NoiseItem& it : items) {
-    if (tab.count == kSlots) flush();
-    tab.ptr[tab.count] = it.ptr;
-    tab.numel[tab.count] = it.numel;
-    tab.elem0[tab.count] = it.elem0;
-    tab.first_chunk[tab.count] = chunks;
-    chunks += noise_chunks(it, Gen::template elems<kOp>());
-    ++tab.count;
-  }
-  flush();
+  for_each_table<NoiseChunks<Gen, kOp>, NoiseTable<kSlots>>(
+      refs, 1, kAnyChunks, fill, [&](const NoiseTable<kSlots>& tab, int64_t chunks, int64_t) {
+        kernel<<<one_wave(kernel, kNoiseThreads, chunks), kNoiseThreads, 0, stream>>>(tab, chunks, key, s);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 // offset + total elements, plus the rounding up to whole work items, must not overflow int64.
@@ -389,7 +269,7 @@ void philox_uint32_cuda(at::Tensor& out, int64_t seed, int64_t step, int64_t str
   const NoiseKey key = make_key(seed, step, stream);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  launch_noise<int64_t, NoiseOp::kWords, 1, PhiloxGen>({{out.data_ptr(), out.numel(), offset}}, key, 0.f);
+  launch_noise<int64_t, NoiseOp::kWords, 1, PhiloxGen>(out, {{0, out.numel(), offset}}, key, 0.f);
 }
 
 void chacha20_uint32_cuda(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream,
@@ -400,11 +280,8 @@ void chacha20_uint32_cuda(at::Tensor& out, at::IntArrayRef key, int64_t step, in
   const ChachaKey k = make_chacha_key(key, step, stream);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  launch_noise<int64_t, NoiseOp::kWords, 1, ChachaGen>({{out.data_ptr(), out.numel(), offset}}, k, 0.0);
+  launch_noise<int64_t, NoiseOp::kWords, 1, ChachaGen>(out, {{0, out.numel(), offset}}, k, 0.0);
 }
-
-// The storage dtypes in the order their launches go out.
-constexpr std::array<at::ScalarType, 3> kNoiseTypes = {at::kFloat, at::kHalf, at::kBFloat16};
 
 // Whether two of the tensors share memory. Then a single launch would race on it, so the tensors
 // are processed one launch each, in list order, like the CPU kernel does.
@@ -429,50 +306,37 @@ void gaussian_cuda(at::TensorList tensors, typename Gen::Scale s, const typename
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   if (tensors.empty()) return;
   const c10::Device dev = tensors[0].device();
+  std::vector<int64_t> numel;
   int64_t total = 0;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const at::Tensor& x = tensors[t];
     DPK_CHECK(x.is_cuda() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CUDA tensor, got a ",
               x.is_contiguous() ? "contiguous" : "non-contiguous", " tensor on ", x.device());
     DPK_CHECK(x.device() == dev, "tensors[", t, "] is on ", x.device(), " but tensors[0] is on ", dev);
-    DPK_CHECK(std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) != kNoiseTypes.end(),
+    DPK_CHECK(std::find(kStorageTypes.begin(), kStorageTypes.end(), x.scalar_type()) != kStorageTypes.end(),
               "tensors[", t, "] has dtype ", x.scalar_type(), "; supported: float32, float16, bfloat16");
     DPK_CHECK(x.numel() <= std::numeric_limits<int64_t>::max() - total, "too many elements");
     total += x.numel();
+    numel.push_back(x.numel());
   }
   check_offset(offset, total);
   if (total == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
-
-  // Launch groups: the tensors of each dtype, or one tensor each if some share memory.
-  std::vector<std::pair<at::ScalarType, std::vector<NoiseItem>>> groups;
-  const bool serial = tensors.size() > 1 && any_overlap(tensors);
-  if (!serial) {
-    for (const at::ScalarType type : kNoiseTypes) groups.emplace_back(type, std::vector<NoiseItem>{});
-  }
-  int64_t base = offset;
-  for (const at::Tensor& x : tensors) {
-    if (x.numel() > 0) {
-      const NoiseItem it{x.data_ptr(), x.numel(), base};
-      if (serial) {
-        groups.emplace_back(x.scalar_type(), std::vector<NoiseItem>{it});
-      } else {
-        const auto g =
-            std::find(kNoiseTypes.begin(), kNoiseTypes.end(), x.scalar_type()) - kNoiseTypes.begin();
-        groups[g].second.push_back(it);
-      }
+  const auto run = [&](auto tag, const std::vector<TensorRef>& refs) {
+    using T = typename decltype(tag)::type;
+    if (accumulate) {
+      launch_noise<T, NoiseOp::kAdd, kMaxNoiseSlots, Gen>(tensors, refs, key, s);
+    } else {
+      launch_noise<T, NoiseOp::kFill, 1, Gen>(tensors, refs, key, s);
     }
-    base += x.numel();
-  }
-  for (const auto& [type, items] : groups) {
-    if (items.empty()) continue;
-    DPK_DISPATCH_GRAD_TYPES(type, "gaussian_noise", [&] {
-      if (accumulate) {
-        launch_noise<scalar_t, NoiseOp::kAdd, kMaxNoiseSlots, Gen>(items, key, s);
-      } else {
-        launch_noise<scalar_t, NoiseOp::kFill, 1, Gen>(items, key, s);
-      }
-    });
+  };
+  const std::vector<TensorRef> refs = tensor_refs(numel, offset);
+  const auto type_of = [&](int64_t t) { return tensors[t].scalar_type(); };
+  // One launch per dtype, or one per tensor in list order if some share memory.
+  if (tensors.size() > 1 && any_overlap(tensors)) {
+    for (const TensorRef& t : refs) for_each_type(group_by_type({t}, type_of), run);
+  } else {
+    for_each_type(group_by_type(refs, type_of), run);
   }
 }
 

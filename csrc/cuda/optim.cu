@@ -29,18 +29,16 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <array>
 #include <cstdint>
 #include <vector>
 
-#include "dpkernels/dispatch.h"
 #include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/optim_layout.h"
 #include "dpkernels/optim_math.h"
-#include "launch_args.cuh"
+#include "multi_tensor.cuh"
 #include "step_stream.cuh"
 
 namespace dpkernels {
@@ -227,43 +225,39 @@ at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> 
   const int lists = kStepNoiseState + Kn + static_cast<int>(n_state);
   const NoiseSource source =
       lay.given_noise ? NoiseSource::kGiven : (lay.generate ? NoiseSource::kFresh : NoiseSource::kNone);
-  std::array<std::vector<StreamItem>, kStreamTypes.size()> groups;
+  const std::vector<TensorRef> refs = tensor_refs(lay.numel, offset);
   int64_t total_chunks = 0;
-  int64_t base = offset;
-  for (int64_t l = 0; l < lay.L; ++l) {
-    if (lay.numel[l] > 0) {
-      std::vector<void*> ptrs{t.params[l].data_ptr(), t.sums[l].data_ptr(),
-                              lay.given_noise ? t.noise[l].data_ptr() : nullptr,
-                              t.past.empty() ? nullptr : t.past[l].data_ptr()};
-      for (int k = 0; k < Kn; ++k) ptrs.push_back(t.noise_state[k * lay.L + l].data_ptr());
-      for (int64_t k = 0; k < n_state; ++k) ptrs.push_back(t.state[k * lay.L + l].data_ptr());
-      StreamItem it = make_stream_item(std::move(ptrs), lay.numel[l], base);
-      total_chunks += stream_chunks(it);
-      groups[stream_type_index(t.params[l].scalar_type())].push_back(std::move(it));
-    }
-    base += lay.numel[l];
-  }
+  for (const TensorRef& r : refs) total_chunks += StreamChunks::count(r.numel, r.elem0);
   at::Tensor partials;
   if constexpr (Family::kSum) {
     partials = at::empty({total_chunks}, at::TensorOptions().dtype(at::kDouble).device(dev));
   }
   double* const partials_ptr = Family::kSum ? partials.data_ptr<double>() : nullptr;
+  const auto fill = [&](const void** row, const TensorRef& r) {
+    const int64_t l = r.index;
+    row[kStepParam] = t.params[l].data_ptr();
+    row[kStepSum] = t.sums[l].data_ptr();
+    row[kStepNoise] = lay.given_noise ? t.noise[l].data_ptr() : nullptr;
+    row[kStepPast] = t.past.empty() ? nullptr : t.past[l].data_ptr();
+    for (int k = 0; k < Kn; ++k) row[kStepNoiseState + k] = t.noise_state[k * lay.L + l].data_ptr();
+    for (int64_t k = 0; k < n_state; ++k) row[kStepNoiseState + Kn + k] = t.state[k * lay.L + l].data_ptr();
+    return stream_width(row, lists, r.elem0);
+  };
   const cudaStream_t cuda_stream = at::cuda::getCurrentCUDAStream();
   const float s = static_cast<float>(noise_std);
-  int64_t group_base = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    DPK_DISPATCH_GRAD_TYPES(kStreamTypes[g], "step", [&] {
-      const auto kernel = step_kernel<scalar_t, Family>;
-      for_each_stream_table(
-          groups[g], lists, [&](const StreamTable& tab, int64_t chunks, int64_t chunk_base) {
-            double* const out = partials_ptr != nullptr ? partials_ptr + group_base + chunk_base : nullptr;
-            kernel<<<stream_grid(kernel, chunks), kStreamThreads, 0, cuda_stream>>>(
-                tab, lay.noise_fc, args, chunks, key, s, source, out);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          });
-    });
-    for (const StreamItem& it : groups[g]) group_base += stream_chunks(it);
-  }
+  int64_t group_base = 0;  // chunks of the dtype groups before
+  const auto type_of = [&](int64_t l) { return t.params[l].scalar_type(); };
+  for_each_type(group_by_type(refs, type_of), [&](auto tag, const std::vector<TensorRef>& group) {
+    const auto kernel = step_kernel<typename decltype(tag)::type, Family>;
+    const int64_t chunks = for_each_table<StreamChunks, StreamTable>(
+        group, lists, kAnyChunks, fill, [&](const StreamTable& tab, int64_t n, int64_t chunk_base) {
+          double* const out = partials_ptr != nullptr ? partials_ptr + group_base + chunk_base : nullptr;
+          kernel<<<one_wave(kernel, kStreamThreads, n), kStreamThreads, 0, cuda_stream>>>(
+              tab, lay.noise_fc, args, n, key, s, source, out);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+    group_base += chunks;
+  });
   if constexpr (Family::kSum) {
     at::Tensor total = at::empty({}, at::TensorOptions().dtype(at::kDouble).device(dev));
     sum_partials_kernel<<<1, kStreamThreads, 0, cuda_stream>>>(partials_ptr, total_chunks,
