@@ -49,7 +49,8 @@ def has_triton() -> bool:
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True under the Triton interpreter: ``TRITON_INTERPRET`` set as Triton itself reads it."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:

@@ -10,9 +10,10 @@ implements with one signature: the family's *interface*. The family module decla
     )
 
 and its registered ``torch.library`` ops (schema and fake kernel next to it) call
-``NOISE.kernels(backend).fill(...)``. :func:`dispatch` is the one place a backend is chosen: it
-resolves ``backend="auto"`` by device (or checks an explicit ``backend=``) and returns the
-implementation. Loaders run on first use, so Triton is imported only when the triton backend is.
+``NOISE.kernels(backend).fill(...)``. The public function resolves the backend once
+(:func:`dpkernels._backend.resolve`: ``"auto"`` by device, or an explicit ``backend=`` checked)
+and passes the resolved name to the op, so the op's schema carries it. Loaders run on first use,
+so Triton is imported only when the triton backend is.
 
 Adding a backend is one loader per family; adding a family is one :func:`family` call, its
 implementations and its ops (README.md, "Development").
@@ -64,14 +65,6 @@ def family(name: str, ops: tuple[str, ...], **loaders: Callable[[], object]) -> 
     fam = Family(name, ops, loaders)
     FAMILIES[name] = fam
     return fam
-
-
-def dispatch(fam: Family, backend: str, device: torch.device) -> tuple[str, object]:
-    """``(resolved backend, its implementation of fam)`` for tensors on ``device``: ``"auto"`` picks
-    by device (cpu → cpu, reference; cuda → cuda, triton, reference); an explicit backend that
-    cannot run there raises, saying how to fix it (:func:`dpkernels._backend.resolve`)."""
-    resolved = _backend.resolve(backend, device)
-    return resolved, fam.kernels(resolved)
 
 
 #: Backends whose implementations call registered native ops (``torch.ops.dpkernels_C``, with

@@ -47,13 +47,6 @@ def test_a_backend_missing_an_op_is_named():
         fam.kernels("cpu")
 
 
-def test_dispatch_resolves_and_refuses():
-    backend, impl = _registry.dispatch(_registry.FAMILIES["noise"], "reference", torch.device("cpu"))
-    assert backend == "reference" and impl is _registry.FAMILIES["noise"].kernels("reference")
-    with pytest.raises(ValueError, match="unknown backend"):
-        _registry.dispatch(_registry.FAMILIES["noise"], "tpu", torch.device("cpu"))
-
-
 def test_public_ops_are_registered():
     """Every public op goes through a registered dpkernels:: op (torch.compile and opcheck see it)."""
     for name in ("per_sample_norms", "clip_factors", "weighted_sum", "clip_and_accumulate", "privatize",

@@ -42,7 +42,6 @@ Runs compiled on CUDA tensors, or on CPU tensors under the Triton interpreter
 from __future__ import annotations
 
 import contextlib
-import os
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -51,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import triton_interpreting
 from .philox import MASK32, box_muller, philox4x32_10
 
 #: Bytes of one vector access (``ld/st.global.v4.b32``); ``VEC_BYTES // itemsize`` elements.
@@ -72,8 +72,8 @@ INTERPRETER_TILE_BLOCK = 1 << 16
 
 
 def interpreting() -> bool:
-    """True under the Triton interpreter (``TRITON_INTERPRET`` set as Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """True under the Triton interpreter (one rule with backend selection: ``dpkernels._backend``)."""
+    return triton_interpreting()
 
 
 def check_device(device: torch.device) -> None:
