@@ -72,6 +72,7 @@ except ImportError as exc:  # opacus is an optional extra
     raise ImportError("dpkernels.integrations needs Opacus: pip install 'dpkernels[opacus]'") from exc
 
 from .. import optim as dpk_optim
+from ..bk import BKBatch, BKModule
 from ..correlated import _StreamingNoise
 from ..pmlf import pmlf_grad_samples
 from ._torch_optim import param_group_hypers
@@ -106,7 +107,7 @@ _SPECS = {
 #: the ``algorithm=`` names :func:`make_private` accepts
 ALGORITHMS = tuple(_SPECS)
 
-_GRAD_SAMPLE_MODES = ("hooks", "functorch")
+_GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk")
 
 
 class CorrelatedNoiseAccountant(IAccountant):
@@ -174,6 +175,7 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
         pmlf_loss: Callable[[Tensor, Tensor], Tensor] | None = None,
         gsm: nn.Module | None = None,
     ):
+        self._acc: int | None = None
         super().__init__(
             engine,
             noise_multiplier=noise_multiplier,
@@ -185,6 +187,21 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
         )
         self.algorithm = algorithm
         self._pmlf_model, self._pmlf_loss, self._gsm = pmlf_model, pmlf_loss, gsm
+
+    @property
+    def _bk(self) -> BKModule | None:
+        return self._gsm if isinstance(self._gsm, BKModule) else None
+
+    @property
+    def accumulated_iterations(self) -> int:
+        if self._bk is None:
+            return super().accumulated_iterations
+        return self._acc if self._acc is not None else max(1, self._bk.pending())
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._bk is not None:
+            self._bk.clear()
+        super().zero_grad(set_to_none)
 
     @property
     def engine(self):
@@ -219,6 +236,17 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
         is_pmlf = self.algorithm == "pmlf"
         if batch is not None and not is_pmlf:
             raise ValueError(f"step(batch=...) is for algorithm 'pmlf' only, not {self.algorithm!r}")
+        if self._bk is not None:
+            self._bk_step(batch, noise)
+        else:
+            self._grad_sample_step(params, batch, noise)
+        if self.step_hook:
+            self.step_hook(self)
+        self._acc = None
+        return loss
+
+    def _grad_sample_step(self, params, batch, noise) -> None:
+        is_pmlf = self.algorithm == "pmlf"
         saved = [getattr(p, "grad_sample", None) for p in params]
         for idx, gs in enumerate(saved):
             if gs is None:
@@ -250,12 +278,46 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
         for p, gs in zip(params, saved, strict=True):
             _mark_as_processed(gs)
             p.grad = None
-        if self.step_hook:
-            self.step_hook(self)
-        return loss
 
-    def _pmlf_past_grad_samples(self, batch) -> list[list[Tensor]]:
-        """Per engine parameter, the ``k − 1`` per-sample gradient sets of ``batch`` at the past iterates."""
+    def _bk_step(self, batch, noise) -> None:
+        """The step from the BK module's captured layers (``grad_sample_mode="bk"``): the
+        micro-batches since the last step are accumulated samples; DP-PMLF's past sets are
+        recomputed by BK forward/backward passes at the past iterates."""
+        bk = self._bk
+        current = bk.batch()
+        acc = current.num_micro_batches
+        if acc == 0:
+            raise ValueError("nothing was captured: run forward and backward through the module make_private "
+                             "returned before step()")  # fmt: skip
+        if self.algorithm == "pmlf":
+            if acc != 1:
+                raise NotImplementedError("gradient accumulation is not supported for pmlf")
+            current = BKBatch(current.sets + self._pmlf_past_bk_sets(batch))
+        self._acc = acc
+        self.engine.set_step_params(self.noise_multiplier, self.max_grad_norm, self.expected_batch_size * acc)
+        self.engine.step(noise=noise, per_sample=current)
+        for p in self.params:
+            p.grad = None
+
+    def _pmlf_past_bk_sets(self, batch) -> list:
+        """DP-PMLF's ``k − 1`` past gradient sets of ``batch`` as BK captures: a forward and backward
+        of the mean loss through the BK module with the parameters at each past iterate."""
+        inputs, targets = self._check_pmlf_batch(batch)
+        bk, engine = self._bk, self.engine
+        named = [(n, p) for n, p in bk.named_parameters() if p.requires_grad]
+        position = {id(p): i for i, p in enumerate(self.params)}
+        sets = []
+        for past in engine.past_params():
+            state = {n: (past[position[id(p)]] if id(p) in position else p).detach().requires_grad_(True)
+                     for n, p in named}  # fmt: skip
+            with torch.enable_grad():
+                loss = self._pmlf_loss(torch.func.functional_call(bk, state, (inputs,)), targets)
+                loss.backward()
+            sets.extend(bk.batch().sets)
+        return sets
+
+    @staticmethod
+    def _check_pmlf_batch(batch):
         if batch is None:
             raise ValueError(
                 "algorithm 'pmlf' needs the batch at every step: optimizer.step(batch=(inputs, targets)); "
@@ -263,7 +325,11 @@ class DPKernelsOptimizer(_OpacusDPOptimizer):
             )
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError("batch must be a pair (inputs, targets)")
-        inputs, targets = batch
+        return batch
+
+    def _pmlf_past_grad_samples(self, batch) -> list[list[Tensor]]:
+        """Per engine parameter, the ``k − 1`` per-sample gradient sets of ``batch`` at the past iterates."""
+        inputs, targets = self._check_pmlf_batch(batch)
         params = self.params
         if self.engine.k == 1:
             return [[] for _ in params]
@@ -451,11 +517,14 @@ def make_private(
         poisson_sampling=poisson_sampling,
         clipping=clipping,
         noise_generator=noise_generator,
-        grad_sample_mode=grad_sample_mode,
+        grad_sample_mode="hooks" if grad_sample_mode == "bk" else grad_sample_mode,
         wrap_model=wrap_model,
         rand_on_empty=rand_on_empty,
     )
     gsm, opacus_opt, loader = out[0], out[1], out[-1]
+    if grad_sample_mode == "bk":  # Opacus validated the module and built the loader; BK replaces its hooks
+        gsm._close()
+        gsm = BKModule(gsm._module, loss_reduction=loss_reduction)
     sample_rate = 1 / len(loader)  # as Opacus computes it (privacy_engine.py, make_private)
     groups = [{"params": g["params"], **h} for g, h in zip(optimizer.param_groups, hypers, strict=True)]
     engine = build(groups, int(opacus_opt.expected_batch_size))

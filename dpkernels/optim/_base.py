@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import _backend, _validate
 from .._kernel_args import FILTER, HyperSpec
 from .._registry import family
+from ..bk import BKBatch
 from ..clip import _check_mode, _clipped_sums
 from ..noise import RNGS, _check_counter, _signed64, fresh_key, fresh_seed, gaussian_noise
 from ..reference import optim as ref
@@ -349,11 +350,13 @@ class DPOptimizer(torch.optim.Optimizer):
         return [part.view(p.shape) for part, p in zip(torch.split(z, [p.numel() for p in params]), params, strict=True)]
 
     @torch.no_grad()
-    def step(self, closure=None, *, noise: Sequence[Tensor] | None = None):
+    def step(self, closure=None, *, noise: Sequence[Tensor] | None = None, per_sample: BKBatch | None = None):
         """One private step from ``p.grad_sample``; see the class docstring of each optimizer.
 
         ``noise``: optional pre-drawn noise on the clipped sum (``σ·Δ·z``, one tensor per
         parameter, shaped like it), used instead of the generator, as ``privatize(noise=...)``.
+        ``per_sample``: a :class:`dpkernels.bk.BKBatch` (book-keeping clipping: the layers' inputs
+        and output gradients, no per-sample gradients) read instead of ``p.grad_sample``.
         All or nothing: a step that raises changes nothing (class docstring).
         """
         loss = None
@@ -362,7 +365,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         params = self._params()
         self._check_params(params)
-        grad_sets = self._grad_sets(params)
+        if per_sample is None:
+            grad_sets = self._grad_sets(params)
+        elif not isinstance(per_sample, BKBatch) or per_sample.num_sets != self._num_grad_sets:
+            raise TypeError(f"per_sample must be a dpkernels.bk.BKBatch of {self._num_grad_sets} gradient set(s)")
+        else:
+            grad_sets = per_sample
         if noise is not None:
             if self.correlated_noise is not None:
                 raise ValueError(
@@ -626,13 +634,20 @@ class DPOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
 
     def _clip_sums(self, grad_sets, C, *, coeffs=(1.0,), shift=None, scale=None, norm_scale=1.0):
-        """``(S, c)``: the clipped sums per parameter (state dtype) and the per-sample weights ``[B]``."""
-        flat = [g.contiguous() for gs in grad_sets for g in gs]
-        sums, w = _clipped_sums(
-            flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
-            norm_scale=norm_scale,
-        )  # fmt: skip
+        """``(S, c)``: the clipped sums per parameter (state dtype) and the per-sample weights ``[B]``,
+        from the per-sample gradient sets or a :class:`~dpkernels.bk.BKBatch`."""
         params = self._params()
+        if isinstance(grad_sets, BKBatch):
+            sums, _, w = grad_sets.clipped_sums(
+                params, coeffs, [C], self.mode, self.r, shift, scale, False, "raise", self.backend,
+                norm_scale=norm_scale,
+            )  # fmt: skip
+        else:
+            flat = [g.contiguous() for gs in grad_sets for g in gs]
+            sums, w = _clipped_sums(
+                flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
+                norm_scale=norm_scale,
+            )  # fmt: skip
         return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0]
 
     # ----------------------------------------------------------------------------------------

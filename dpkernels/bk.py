@@ -1,0 +1,645 @@
+"""Book-keeping (BK) clipping: per-sample norms and clipped sums in one backward pass, without
+per-sample gradients.
+
+:class:`BKModule` wraps a model. During ``loss.backward()`` it keeps, per supported layer, the
+layer's input ``A`` and output gradient ``G`` (book-keeping, "Differentially Private Optimization on
+Large Model at Small Cost", Bu et al., arXiv:2210.00038), and autograd computes **no** gradient for
+those layers' weights: their forward runs as an autograd function whose backward returns the
+input gradient only, so the weight-gradient GEMM that the clipped sum replaces is never formed.
+:meth:`BKModule.clip_and_accumulate` then gives exactly what :func:`dpkernels.clip_and_accumulate`
+gives on the per-sample gradients Opacus would have built, with the layer ops of
+:mod:`dpkernels.layers`:
+
+==================  ============================================================================
+layer               per-sample norm / clipped sum
+==================  ============================================================================
+``nn.Linear``       :func:`~dpkernels.layers.linear_sumsq` / ``(w ⊙ G)ᵀA``; bias ``Σ_t G_it``
+``nn.Conv2d``       the linear ops over im2col patches (zero padding); bias ``Σ_hw G_i``
+``nn.Embedding``    segment sum over (sample, token id), ``padding_idx`` included
+anything else       that layer's per-sample gradients, from Opacus's grad sampler (LayerNorm,
+                    GroupNorm, RMSNorm, ...) or its functorch fallback, dropped after use
+==================  ============================================================================
+
+Small per-sample gradients (biases, norm layers, fallbacks) go through the clip family's
+``per_sample_sumsq`` and ``weighted_sum`` on the chosen backend. A layer called several times in
+one forward (weights shared across time steps) concatenates its calls along ``T``, which is exact
+(``g_i = Σ_calls G_iᵀA_i``). A parameter shared by two different layers raises: its norm needs the
+cross term between them. Several forward/backward passes before one clip (gradient accumulation)
+are distinct samples, as Opacus's ``p.grad_sample`` list is: their norms are concatenated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _backend
+from .clip import CLIP, _check_max_grad_norm, _check_mode
+from .layers import conv2d_patches, embedding_sumsq, embedding_weighted_sum, linear_sumsq, linear_weighted_sum
+from .reference import clip as ref_clip
+
+__all__ = ["BKBatch", "BKModule"]
+
+
+class _Call:
+    """One call of a layer in one forward: its inputs and its output gradient, scaled by ``alpha``
+    (the loss-reduction factor ``B`` for a mean loss, times DP-PMLF's set coefficient)."""
+
+    __slots__ = ("inputs", "grad", "alpha")
+
+    def __init__(self, inputs: tuple, grad: Tensor, alpha: float):
+        self.inputs, self.grad, self.alpha = inputs, grad, alpha
+
+    @property
+    def batch(self) -> int:
+        return self.grad.shape[0]
+
+    def scaled_grad(self) -> Tensor:
+        return self.grad * self.alpha if self.alpha != 1.0 else self.grad
+
+
+# --------------------------------------------------------------------------------------------
+# Capture: autograd functions that record (A, G) and skip the weight gradient
+# --------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Where a wrapped layer's backward leaves its completed calls: ``calls[forward id]``."""
+
+    def __init__(self):
+        self.calls: dict[int, list[_Call]] = defaultdict(list)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, rec, fid):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, rec, fid = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.rec, ctx.fid = rec, fid
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        ctx.rec.calls[ctx.fid].append(_Call((x.detach(),), gy.detach(), 1.0))
+        gx = gy.matmul(weight.to(gy.dtype)) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None
+
+
+class _Conv2dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, rec, fid, conv):
+        return F.conv2d(x, weight, bias, *conv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, rec, fid, conv = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.rec, ctx.fid, ctx.conv = rec, fid, conv
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        ctx.rec.calls[ctx.fid].append(_Call((x.detach(),), gy.detach(), 1.0))
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.nn.grad.conv2d_input(x.shape, weight.to(gy.dtype), gy, *ctx.conv)
+        return gx, None, None, None, None, None
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ids, weight, padding_idx, rec, fid):
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ids, _, _, rec, fid = inputs
+        ctx.save_for_backward(ids)
+        ctx.rec, ctx.fid = rec, fid
+
+    @staticmethod
+    def backward(ctx, gy):
+        (ids,) = ctx.saved_tensors
+        ctx.rec.calls[ctx.fid].append(_Call((ids,), gy.detach(), 1.0))
+        return None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Rules: per layer type, the per-sample squared norms of its parameters and their clipped sums
+# --------------------------------------------------------------------------------------------
+
+
+class _Rule:
+    """How one layer's parameters are clipped. ``norms`` returns ``{param: float64 [B]}`` for the
+    parameters it handles itself and ``{param: [B, *shape]}`` per-sample gradients for the rest
+    (``materialised``); ``sums`` the clipped sums ``{param: fp32 sum}`` of the former."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def install(self, bk: BKModule) -> None:
+        pass
+
+    def uninstall(self) -> None:
+        pass
+
+    def norms(self, calls, aux, backend):
+        return {}, self.materialise(calls)
+
+    def sums(self, calls, weights, backend):
+        return {}
+
+    def materialise(self, calls) -> dict:
+        raise NotImplementedError
+
+
+class _WrappedRule(_Rule):
+    """A layer whose forward runs as a recording autograd function (no weight gradient)."""
+
+    def install(self, bk):
+        self.rec = _Recorder()
+        mod = self.module
+        mod.forward = lambda *args, **kwargs: self.call(bk, *args, **kwargs)
+
+    def uninstall(self):
+        if "forward" in self.module.__dict__:
+            del self.module.forward
+
+    def take(self, fid: int) -> list[_Call]:
+        return self.rec.calls.pop(fid, [])
+
+    def has(self, fid: int) -> bool:
+        return bool(self.rec.calls.get(fid))
+
+
+class _LinearRule(_WrappedRule):
+    def call(self, bk, x):
+        m = self.module
+        if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
+            return F.linear(x, m.weight, m.bias)
+        return _LinearFn.apply(x, m.weight, m.bias, self.rec, bk.fid)
+
+    def operands(self, calls):
+        """``(A [B, T, d_in], G [B, T, d_out])``, the calls concatenated along ``T``."""
+        a = torch.cat([_positions(c.inputs[0]) for c in calls], 1)
+        g = torch.cat([_positions(c.scaled_grad()) for c in calls], 1)
+        dt = torch.promote_types(a.dtype, g.dtype)
+        return a.to(dt), g.to(dt)
+
+    def norms(self, calls, aux, backend):
+        m = self.module
+        a, g = self.operands(calls)
+        out = {}
+        if m.weight.requires_grad:
+            out[m.weight] = linear_sumsq(a, g, scale=aux.scale(m.weight), shift=aux.shift(m.weight), backend=backend)
+        mat = {m.bias: g.sum(1)} if m.bias is not None and m.bias.requires_grad else {}
+        return out, mat
+
+    def sums(self, calls, weights, backend):
+        m = self.module
+        if not m.weight.requires_grad:
+            return {}
+        a, g = self.operands(calls)
+        return {m.weight: linear_weighted_sum(a, g, weights[m.weight], backend=backend)}
+
+
+class _Conv2dRule(_WrappedRule):
+    def conv_args(self):
+        m = self.module
+        padding = 0 if m.padding == "valid" else m.padding
+        return (m.stride, padding, m.dilation, m.groups)
+
+    def call(self, bk, x):
+        m = self.module
+        if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
+            return m._conv_forward(x, m.weight, m.bias)
+        return _Conv2dFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
+
+    def groups(self, calls):
+        """Per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
+        m = self.module
+        stride, padding, dilation, groups = self.conv_args()
+        per_call = [
+            conv2d_patches(
+                c.inputs[0], c.scaled_grad().to(c.inputs[0].dtype), m.kernel_size, stride, padding, dilation, groups
+            )  # fmt: skip
+            for c in calls
+        ]
+        return [(torch.cat([p[j][0] for p in per_call], 1), torch.cat([p[j][1] for p in per_call], 1))
+                for j in range(groups)]  # fmt: skip
+
+    def norms(self, calls, aux, backend):
+        m = self.module
+        out = {}
+        if m.weight.requires_grad:
+            scale, shift = aux.scale(m.weight), aux.shift(m.weight)
+            total = 0
+            for j, (a, g) in enumerate(self.groups(calls)):
+                total = total + linear_sumsq(a, g, scale=_rows(scale, m.groups, j), shift=_rows(shift, m.groups, j),
+                                             backend=backend)  # fmt: skip
+            out[m.weight] = total
+        mat = {}
+        if m.bias is not None and m.bias.requires_grad:
+            mat[m.bias] = sum(c.scaled_grad().sum((2, 3)) for c in calls)
+        return out, mat
+
+    def sums(self, calls, weights, backend):
+        m = self.module
+        if not m.weight.requires_grad:
+            return {}
+        parts = [linear_weighted_sum(a, g, weights[m.weight], backend=backend) for a, g in self.groups(calls)]
+        return {m.weight: torch.cat(parts).view(m.weight.shape)}
+
+
+def _positions(x: Tensor) -> Tensor:
+    """``[B, *, d]`` as ``[B, T, d]`` (``T`` the product of the middle dimensions; 1 for ``[B, d]``)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+
+
+def _rows(x, groups: int, j: int):
+    if x is None:
+        return None
+    n = x.shape[0] // groups
+    return x[j * n : (j + 1) * n].reshape(n, -1)
+
+
+class _EmbeddingRule(_WrappedRule):
+    def call(self, bk, ids):
+        m = self.module
+        if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
+            return F.embedding(ids, m.weight, m.padding_idx)
+        return _EmbeddingFn.apply(ids, m.weight, m.padding_idx, self.rec, bk.fid)
+
+    def operands(self, calls):
+        ids = torch.cat([_positions(c.inputs[0][..., None])[..., 0] for c in calls], 1)
+        g = torch.cat([_positions(c.scaled_grad()) for c in calls], 1)
+        return ids, g
+
+    def norms(self, calls, aux, backend):
+        m = self.module
+        ids, g = self.operands(calls)
+        w = m.weight
+        sq = embedding_sumsq(ids, g, m.num_embeddings, padding_idx=m.padding_idx, scale=aux.scale(w),
+                             shift=aux.shift(w), backend=backend)  # fmt: skip
+        return {w: sq}, {}
+
+    def sums(self, calls, weights, backend):
+        m = self.module
+        ids, g = self.operands(calls)
+        s = embedding_weighted_sum(ids, g, weights[m.weight], m.num_embeddings, padding_idx=m.padding_idx,
+                                   backend=backend)  # fmt: skip
+        return {m.weight: s}
+
+
+class _SamplerRule(_Rule):
+    """Any other layer: its per-sample gradients from Opacus's grad sampler for its type, or
+    Opacus's functorch fallback (``ft_compute_per_sample_gradient``). Captured with Opacus's own
+    hook pair: a forward hook keeps the inputs, a full backward hook pairs them with ``G``."""
+
+    def install(self, bk):
+        from opacus.grad_sample import GradSampleModule
+        from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+
+        self.sampler = GradSampleModule.GRAD_SAMPLERS.get(type(self.module), ft_compute_per_sample_gradient)
+        self.pending: list[tuple[int, tuple]] = []
+        self.done: dict[int, list[_Call]] = defaultdict(list)
+
+        def on_forward(module, args, output):
+            if bk.recording and torch.is_grad_enabled():
+                self.pending.append((bk.fid, tuple(a.detach() if isinstance(a, Tensor) else a for a in args)))
+
+        def on_backward(module, grad_input, grad_output):
+            if bk.recording and self.pending:
+                fid, args = self.pending.pop()
+                self.done[fid].append(_Call(args, grad_output[0].detach(), 1.0))
+
+        self.hooks = (on_forward, on_backward)
+        self.hook()
+
+    def hook(self):
+        on_forward, on_backward = self.hooks
+        self.handles = [self.module.register_forward_hook(on_forward),
+                        self.module.register_full_backward_hook(on_backward)]  # fmt: skip
+
+    def uninstall(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def take(self, fid: int) -> list[_Call]:
+        return self.done.pop(fid, [])
+
+    def has(self, fid: int) -> bool:
+        return bool(self.done.get(fid))
+
+    def materialise(self, calls):
+        out: dict = {}
+        # functorch cannot trace through the full backward hook's autograd function: unhook meanwhile
+        self.uninstall()
+        try:
+            for c in calls:
+                for p, gs in self.sampler(self.module, list(c.inputs), c.scaled_grad()).items():
+                    if p.requires_grad:
+                        out[p] = gs if p not in out else out[p] + gs
+        finally:
+            self.hook()
+        return out
+
+
+def _rule_for(module: nn.Module) -> _Rule:
+    if type(module) is nn.Linear:
+        return _LinearRule(module)
+    if type(module) is nn.Conv2d and module.padding_mode == "zeros" and module.padding != "same":
+        return _Conv2dRule(module)
+    if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse:
+        return _EmbeddingRule(module)
+    return _SamplerRule(module)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+
+class _Aux:
+    """The per-parameter ``shift``/``scale`` lists of the clip, looked up by parameter."""
+
+    def __init__(self, params, shift, scale):
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self._shift, self._scale = shift, scale
+
+    def shift(self, p):
+        return None if self._shift is None else self._shift[self.index[id(p)]]
+
+    def scale(self, p):
+        return None if self._scale is None else self._scale[self.index[id(p)]]
+
+
+class BKModule(nn.Module):
+    """Wraps ``model`` for book-keeping clipping (module docstring).
+
+    Args:
+        model: the model; its supported layers run their BK forward while wrapped (restored by
+            :meth:`unwrap`).
+        loss_reduction: ``"mean"`` (the loss is the batch mean: ``G`` is scaled by the batch size,
+            as Opacus does) or ``"sum"``.
+
+    Run forward and ``loss.backward()`` through it, then :meth:`clip_and_accumulate`. Parameters
+    of wrapped layers get no ``.grad`` from backward (their weight gradient is never computed); the
+    others get the non-private gradient, which is not the private one. :meth:`zero_grad` (or
+    :meth:`clear`) drops the kept ``(A, G)``.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_reduction: str = "mean"):
+        super().__init__()
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._module = model
+        self.loss_reduction = loss_reduction
+        self.recording, self.fid = True, 0
+        self._forwards: list[int] = []
+        owner: dict[int, str] = {}
+        self._rules: list[_Rule] = []
+        for name, mod in model.named_modules():
+            own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                if id(p) in owner:
+                    raise NotImplementedError(
+                        f"parameter of {name!r} is shared with {owner[id(p)]!r}: a tied parameter's per-sample norm "
+                        "needs the cross term between the two layers, which BK clipping does not compute; untie it "
+                        "or use grad_sample_mode='hooks'"
+                    )
+                owner[id(p)] = name or type(mod).__name__
+            rule = _rule_for(mod)
+            if isinstance(rule, _SamplerRule) and any(p.requires_grad for c in mod.children() for p in c.parameters()):
+                raise NotImplementedError(
+                    f"module {name!r} ({type(mod).__name__}) has parameters of its own and in its children; BK "
+                    "clipping needs each parameter in a leaf layer"
+                )
+            self._rules.append(rule)
+        shared = {id(p) for p in model.parameters() if p.requires_grad} - set(owner)
+        if shared:  # pragma: no cover - every parameter lives in some module
+            raise NotImplementedError("trainable parameters outside any module")
+        for rule in self._rules:
+            rule.install(self)
+
+    def forward(self, *args, **kwargs):
+        self.fid += 1
+        self._forwards.append(self.fid)
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._module, name)
+
+    def unwrap(self) -> nn.Module:
+        """Restore the model's layers and return the model."""
+        for rule in self._rules:
+            rule.uninstall()
+        return self._module
+
+    def trainable_parameters(self) -> list[Tensor]:
+        """The parameters clipped, in ``model.parameters()`` order (the order of the returned sums)."""
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    def clear(self) -> None:
+        """Drop every kept ``(A, G)``."""
+        for fid in self._forwards:
+            for rule in self._rules:
+                rule.take(fid)
+        for rule in self._rules:
+            if isinstance(rule, _SamplerRule):
+                rule.pending.clear()
+        self._forwards.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.clear()
+        super().zero_grad(set_to_none)
+
+    def pending(self) -> int:
+        """How many forwards since the last capture have completed a backward (micro-batches)."""
+        return sum(1 for fid in self._forwards if any(rule.has(fid) for rule in self._rules))
+
+    def capture(self) -> list[dict]:
+        """The micro-batches since the last capture/clear: per completed forward/backward, the calls
+        of each layer (``[{rule: [calls]}]``); their ``(A, G)`` leave the module."""
+        out = []
+        for fid in self._forwards:
+            mb = {rule: calls for rule in self._rules if (calls := rule.take(fid))}
+            if mb:
+                out.append(mb)
+        self._forwards.clear()
+        return out
+
+    def alpha(self, mb: dict) -> float:
+        """The factor on ``G`` for the loss reduction (the batch size for a mean)."""
+        return float(_batch_of(mb)) if self.loss_reduction == "mean" else 1.0
+
+    def clip_and_accumulate(self, max_grad_norm, *, mode: str = "clip", r: float | None = None, shift=None,
+                            scale=None, per_layer: bool = False, nonfinite: str = "raise",
+                            backend: str = "auto") -> tuple[list[Tensor], Tensor]:  # fmt: skip
+        """``(sums, norms)`` exactly as :func:`dpkernels.clip_and_accumulate` on the per-sample
+        gradients of the captured batch(es) (``shift``/``scale``: one tensor per parameter of
+        :meth:`trainable_parameters`, shaped like it). Consumes the captured ``(A, G)``."""
+        params = self.trainable_parameters()
+        r = _check_mode(mode, r)
+        C = _check_max_grad_norm(max_grad_norm, per_layer, len(params))
+        if per_layer and len(C) == 1:
+            C = C * len(params)
+        device = params[0].device if params else torch.device("cpu")
+        backend = _backend.resolve(backend, device)
+        sums, norms, _ = self.batch().clipped_sums(params, (1.0,), C, mode, r, shift, scale, per_layer, nonfinite,
+                                                   backend)  # fmt: skip
+        return sums, norms
+
+    def batch(self) -> BKBatch:
+        """The captured micro-batches as one gradient set (consumes them; see :class:`BKBatch`)."""
+        return BKBatch([[(mb, self.alpha(mb)) for mb in self.capture()]])
+
+
+def _batch_of(mb: dict) -> int:
+    sizes = {c.batch for calls in mb.values() for c in calls}
+    if len(sizes) != 1:
+        raise ValueError(f"the layers of one forward saw different batch sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _combine(sets: Sequence[list], coeffs: Sequence[float]) -> list[dict]:
+    """``k`` captures of the same micro-batches (DP-PMLF's gradient sets) as one: each layer's calls
+    of set ``j`` scaled by ``α_j`` and concatenated (``Σ_j α_j G^(j)ᵀ A^(j)`` is one product over
+    the concatenated positions)."""
+    n = {len(s) for s in sets}
+    if len(n) != 1:
+        raise ValueError(f"the gradient sets hold different numbers of micro-batches {sorted(n)}")
+    out = []
+    for parts in zip(*sets, strict=True):
+        mb: dict = defaultdict(list)
+        for (part, alpha), coeff in zip(parts, coeffs, strict=True):
+            for rule, calls in part.items():
+                mb[rule].extend(_Call(c.inputs, c.grad, c.alpha * alpha * coeff) for c in calls)
+        out.append(dict(mb))
+    return out
+
+
+class BKBatch:
+    """What one private step clips: ``k`` gradient sets (DP-PMLF's gradients at past iterates; ``k = 1``
+    otherwise) of the same samples, each a list of ``(micro-batch, α)`` captured by a
+    :class:`BKModule` (``α``: the loss-reduction factor). The optimizers of :mod:`dpkernels.optim`
+    take it as ``step(per_sample=...)`` in place of ``p.grad_sample``."""
+
+    def __init__(self, sets: list[list]):
+        self.sets = sets
+
+    @property
+    def num_sets(self) -> int:
+        return len(self.sets)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.sets[0]) if self.sets else 0
+
+    def clipped_sums(self, params, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, backend, *,
+                     norm_scale=1.0):  # fmt: skip
+        """``(sums, norms, weights [B, L])``: the clip pipeline over the captured layers.
+
+        ``params``: the parameters in the order of ``C`` (one bound, or one per parameter with
+        ``per_layer``), ``shift``, ``scale`` and the returned sums; ``coeffs``: one per set. Stages
+        as :func:`dpkernels.reference.clip.clip_weights`: per-parameter squared norms ``[B, L]``
+        (float64), norms (times ``norm_scale``), the clip mode's weights (fp32, rounded toward zero;
+        0 for dropped samples), then the weighted sums, one per parameter (fp32; zero for a
+        parameter no layer saw).
+        """
+        return _clipped_sums(self.sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend,
+                             norm_scale=norm_scale)  # fmt: skip
+
+
+def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0):
+    L = len(params)
+    index = {id(p): i for i, p in enumerate(params)}
+    aux = _Aux(params, shift, scale)
+    clip = CLIP.kernels(backend)
+    mbs = _combine(sets, coeffs)
+    device = params[0].device if params else torch.device("cpu")
+    cols, mats = [], []
+    for mb in mbs:
+        B = _batch_of(mb)
+        sq = torch.zeros(B, L, dtype=torch.float64, device=device)
+        mat: dict = {}
+        for rule, calls in mb.items():
+            own, m = rule.norms(calls, aux, backend)
+            for p, s in own.items():
+                sq[:, index[id(p)]] += s
+            mat.update(m)
+        if mat:
+            ps = list(mat)
+            idx = [index[id(p)] for p in ps]
+            grads = [mat[p].contiguous() for p in ps]
+            sq[:, idx] += clip.per_sample_sumsq([grads], [1.0], _pick(shift, idx), _pick(scale, idx)).to(device)
+        cols.append(sq)
+        mats.append(mat)
+    sumsq = torch.cat(cols) if cols else torch.zeros(0, L, dtype=torch.float64, device=device)
+    norms, bad = ref_clip.norms_of_sumsq(sumsq, per_layer, nonfinite, norm_scale)
+    factors = clip.clip_factors(norms, C if per_layer else C[0], mode, r)
+    w = ref_clip.weights_of_factors(factors, bad, L, torch.float32)
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in params]
+    start = 0
+    for mb, mat in zip(mbs, mats, strict=True):
+        B = _batch_of(mb)
+        wf, bad_f = w[start : start + B], bad[start : start + B]
+        start += B
+        if bool(bad_f.any()):
+            mb = {rule: [_without(c, ~bad_f) for c in calls] for rule, calls in mb.items()}
+        per_param = _ParamWeights(wf, index)
+        for rule, calls in mb.items():
+            for p, s in rule.sums(calls, per_param, backend).items():
+                sums[index[id(p)]] += s.float()
+        if mat:
+            ps = list(mat)
+            idx = [index[id(p)] for p in ps]
+            for p, s in zip(ps, clip.weighted_sum([[mat[p].contiguous() for p in ps]], wf[:, idx].contiguous(),
+                                                  [1.0]), strict=True):  # fmt: skip
+                sums[index[id(p)]] += s.float()
+    for j, s in enumerate(sums):
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError(f"the clipped sum of parameter {j} overflows float32")
+    dtype = torch.float32
+    return sums, norms.to(dtype), w
+
+
+def _pick(xs, idx):
+    return None if xs is None else [xs[i] for i in idx]
+
+
+def _without(call: _Call, keep: Tensor) -> _Call:
+    """``call`` with the rows of dropped (non-finite) samples zeroed: ``0 · NaN`` would poison a GEMM."""
+
+    def zero(x):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return x
+        mask = keep.view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    return _Call(tuple(zero(x) for x in call.inputs), zero(call.grad), call.alpha)
+
+
+class _ParamWeights:
+    """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column."""
+
+    def __init__(self, w: Tensor, index: dict):
+        self.w, self.index = w, index
+
+    def __getitem__(self, p) -> Tensor:
+        return self.w[:, self.index[id(p)]].contiguous()

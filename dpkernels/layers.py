@@ -1,0 +1,461 @@
+"""Book-keeping (BK) layer ops: per-sample squared norms and clipped sums of a layer's weight
+gradient from the layer's input ``A`` and output gradient ``G``, without per-sample gradients.
+
+For a linear layer (per sample ``i``: ``A_i`` ``[T, d_in]``, ``G_i`` ``[T, d_out]``, weight gradient
+``g_i = G_iᵀ A_i``), :func:`linear_sumsq` gives ``‖S ⊙ (g_i − M)‖²`` with an optional coordinate-wise
+scale ``S`` (dense, or rank one ``s_out s_inᵀ``) and shift ``M``, by one of three methods:
+
+- ``"t1"`` (``T = 1``): ``‖a‖²‖b‖²``; with a dense scale ``(b∘b)ᵀ(S∘S)(a∘a)``, one ``[B, d_out] ×
+  [d_out, d_in]`` GEMM for the batch.
+- ``"gram"`` (no scale or rank one): ``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` on ``A·diag(s_in)``, ``G·diag(s_out)``,
+  ``O(T²(d_in + d_out))`` per sample.
+- ``"tiled"`` (any scale): a per-sample product ``G_iᵀA_i`` computed tile by tile whose epilogue
+  shifts, scales, squares and accumulates; the per-sample gradient never reaches memory (FlashDP's
+  kernel, "FlashDP: Private Training Large Language Models with Efficient DP-SGD",
+  arXiv:2507.01154, with the scale and shift added).
+
+A shift adds ``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` to the first two, the middle term ``Σ_t G_itᵀ(S²⊙M)A_it``
+being one GEMM of the forward's size. ``"auto"`` picks among them from the shapes and the scale
+(crossover measured in docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
+:func:`linear_weighted_sum` is ``(w ⊙ G)ᵀ A``, one GEMM over all ``B·T`` rows. Conv2d is the linear
+case over im2col patches (:func:`conv2d_sumsq`), Embedding a segment sum over (sample, token id).
+
+Backends (op family ``layers``): ``reference`` materialises per-sample gradients in float64
+(dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
+and the tiled product as the native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp,
+csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernels/layers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _backend
+from ._registry import family
+from .reference import layers as ref
+
+__all__ = [
+    "LINEAR_METHODS",
+    "conv2d_sumsq",
+    "conv2d_weighted_sum",
+    "embedding_sumsq",
+    "embedding_weighted_sum",
+    "linear_sumsq",
+    "linear_weighted_sum",
+]
+
+LINEAR_METHODS = ("auto", "t1", "gram", "tiled")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Gram matrices of at most this many elements per chunk of samples (bounds the [b, T, T] buffers).
+_GRAM_CHUNK_ELEMS = 1 << 24
+# "auto" takes the Gram form when T·(d_in + d_out) <= GRAM_CROSSOVER · d_in·d_out, i.e. when its
+# flops are at most that fraction of the tiled product's (docs/BENCHMARKS.md, "Book-keeping").
+GRAM_CROSSOVER = 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# The layers family: every backend implements
+#   linear_sumsq(a, g, s_out, s_in, scale, shift, method) -> float64 [B]
+#   linear_weighted_sum(a, g, weights) -> float32 [d_out, d_in] (float64 for float64 input)
+#   embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift) -> float64 [B]
+#   embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx) -> [V, d], as above
+# on validated input: a, g [B, T, d]; ids [B, T] int64 in range; scale either dense [d_out, d_in]
+# (s_out = s_in = None) or rank one (scale = None); method resolved (not "auto").
+# --------------------------------------------------------------------------------------------
+
+
+class _ReferenceLayers:
+    """The float64 materialising reference (``method`` is ignored: it defines every method)."""
+
+    @staticmethod
+    def linear_sumsq(a, g, s_out, s_in, scale, shift, method):
+        return ref.linear_sumsq(a, g, (s_out, s_in) if s_out is not None else scale, shift)
+
+    @staticmethod
+    def linear_weighted_sum(a, g, weights):
+        return ref.linear_weighted_sum(a, g, weights)
+
+    @staticmethod
+    def embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift):
+        return ref.embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift)
+
+    @staticmethod
+    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx):
+        return ref.embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx)
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    """The GEMM dtype: float32, float64 for float64 input (half inputs are upcast: the norms drive
+    a privacy clip and bf16 products would round them to 8 bits)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _rowdot(x: Tensor, y: Tensor) -> Tensor:
+    """``Σ_k x_k y_k`` over the last dimension, accumulated in float64."""
+    return torch.linalg.vecdot(x.double(), y.double())
+
+
+class _AtenLayers:
+    """cpu and cuda: GEMMs through ATen (BLAS / cuBLAS), the tiled product as a native op."""
+
+    @staticmethod
+    def tiled(a, g, scale, shift):
+        return torch.ops.dpkernels_C.linear_sumsq_tiled(a, g, scale, shift)
+
+    @classmethod
+    def linear_sumsq(cls, a, g, s_out, s_in, scale, shift, method):
+        if method == "tiled":
+            if s_out is not None:
+                scale = s_out.float()[:, None] * s_in.float()[None, :]
+            if a.dtype == torch.float64:
+                return ref.linear_sumsq(a, g, scale, shift)
+            f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+            return cls.tiled(a, g, f32(scale), f32(shift)).double()
+        dt = _acc_dtype(a)
+        a, g = a.to(dt), g.to(dt)
+        if method == "t1":
+            sumsq = _t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale)
+        else:
+            sumsq = _gram_sumsq(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
+        if shift is not None:
+            sumsq = sumsq + _shift_terms(a, g, s_out, s_in, scale, shift)
+        return sumsq.clamp_min_(0.0)
+
+    @staticmethod
+    def linear_weighted_sum(a, g, weights):
+        dt = _acc_dtype(a)
+        rows_g = (g.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, g.shape[-1])
+        return rows_g.T @ a.to(dt).reshape(-1, a.shape[-1])
+
+    @staticmethod
+    def embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift):
+        B, d = g.shape[0], g.shape[-1]
+        dt = _acc_dtype(g)
+        keys, rows, tok = _segments(ids, g.reshape(-1, d).to(dt), num_embeddings, padding_idx)
+        seg = torch.zeros(keys.numel(), d, dtype=dt, device=g.device).index_add_(0, rows, tok)
+        v = keys % num_embeddings
+        if shift is not None:
+            seg = seg - shift[v].to(dt)
+        if scale is not None:
+            seg = seg * scale[v].to(dt)
+        terms = _rowdot(seg, seg)
+        out = torch.zeros(B, dtype=torch.float64, device=g.device)
+        if shift is not None:  # rows the sample never touches have g_i[v] = 0: ‖S_v ⊙ M_v‖² each
+            sm = shift.double() if scale is None else shift.double() * scale.double()
+            row_sq = _rowdot(sm, sm)
+            terms = terms - row_sq[v]
+            out += row_sq.sum()
+        return out.index_add_(0, keys // num_embeddings, terms)
+
+    @staticmethod
+    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx):
+        dt = _acc_dtype(g)
+        flat = (g.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, g.shape[-1])
+        out = torch.zeros(num_embeddings, g.shape[-1], dtype=dt, device=g.device).index_add_(0, ids.reshape(-1), flat)
+        if padding_idx is not None:
+            out[padding_idx] = 0
+        return out
+
+
+def _t1_sumsq(a, g, s_out, s_in, scale):
+    """``T = 1``: ``‖S ⊙ (g aᵀ)‖²`` for ``a`` ``[B, d_in]``, ``g`` ``[B, d_out]``; with a dense scale
+    ``((g∘g)(S∘S)) · (a∘a)``: non-negative terms, so the fp32 GEMM has no cancellation."""
+    if scale is not None:
+        return _rowdot((g * g) @ (scale.to(a.dtype) ** 2), a * a)
+    if s_out is not None:
+        a, g = a * s_in.to(a.dtype), g * s_out.to(g.dtype)
+    return _rowdot(a, a) * _rowdot(g, g)
+
+
+def _gram_sumsq(a, g):
+    """``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` per sample, in chunks of samples bounding the ``[b, T, T]`` Grams."""
+    B, T = a.shape[:2]
+    step = max(1, _GRAM_CHUNK_ELEMS // max(1, T * T))
+    parts = []
+    for lo in range(0, B, step):
+        ai, gi = a[lo : lo + step], g[lo : lo + step]
+        parts.append(
+            _rowdot(torch.bmm(ai, ai.transpose(1, 2)).flatten(1), torch.bmm(gi, gi.transpose(1, 2)).flatten(1))
+        )
+    return torch.cat(parts) if parts else a.new_zeros(0, dtype=torch.float64)
+
+
+def _shift_terms(a, g, s_out, s_in, scale, shift):
+    """``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` with ``⟨S²⊙M, g_i⟩ = Σ_t G_itᵀ (S²⊙M) A_it``: one GEMM over ``B·T`` rows."""
+    s2 = None
+    if scale is not None:
+        s2 = scale.to(a.dtype) ** 2
+    elif s_out is not None:
+        s2 = (s_out.to(a.dtype) ** 2)[:, None] * (s_in.to(a.dtype) ** 2)[None, :]
+    m = shift.to(a.dtype)
+    q = m if s2 is None else s2 * m
+    B, T = a.shape[:2]
+    cross = _rowdot((g.reshape(B * T, -1) @ q), a.reshape(B * T, -1)).view(B, T).sum(1)
+    return (q.double() * m.double()).sum() - 2.0 * cross
+
+
+def _segments(ids, tok, num_embeddings, padding_idx):
+    """The distinct (sample, token id) pairs as keys ``i·V + v``, each token row's pair index, and
+    the token rows (padding tokens dropped: their gradient row is zero)."""
+    B, T = ids.shape
+    key = ids + num_embeddings * torch.arange(B, device=ids.device)[:, None]
+    key, tok = key.reshape(-1), tok
+    if padding_idx is not None:
+        keep = ids.reshape(-1) != padding_idx
+        key, tok = key[keep], tok[keep]
+    keys, rows = torch.unique(key, return_inverse=True)
+    return keys, rows, tok
+
+
+class _TritonLayers(_AtenLayers):
+    """triton: the ATen GEMMs of the native backends, the tiled product in Triton."""
+
+    @staticmethod
+    def tiled(a, g, scale, shift):
+        from .triton_kernels.layers import linear_sumsq_tiled
+
+        return linear_sumsq_tiled(a, g, scale, shift)
+
+
+LAYERS = family(
+    "layers",
+    ("linear_sumsq", "linear_weighted_sum", "embedding_sumsq", "embedding_weighted_sum"),
+    reference=lambda: _ReferenceLayers,
+    cpu=lambda: _AtenLayers,
+    cuda=lambda: _AtenLayers,
+    triton=lambda: _TritonLayers,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and method choice
+# --------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x, dims: tuple[int, ...], dtypes=_DTYPES) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {x.dtype}")
+    return x
+
+
+def _check_like(name: str, x, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    _check_tensor(name, x, (len(shape),))
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the activations are on {device}")
+    return x.contiguous()
+
+
+def _linear_inputs(a, g, weights=None):
+    """``(a, g)`` as contiguous ``[B, T, d]`` tensors of one dtype, checked against each other."""
+    _check_tensor("a", a, (2, 3))
+    _check_tensor("g", g, (2, 3))
+    if a.dim() != g.dim() or a.shape[:-1] != g.shape[:-1]:
+        raise ValueError(
+            "a and g must share their leading dimensions ([B, d] or [B, T, d]), "
+            f"got {tuple(a.shape)} and {tuple(g.shape)}"
+        )
+    if a.dtype != g.dtype:
+        raise TypeError(f"a and g must have one dtype, got {a.dtype} and {g.dtype}")
+    if a.device != g.device:
+        raise ValueError(f"a is on {a.device} but g is on {g.device}")
+    return ref.as_sequence(a).contiguous(), ref.as_sequence(g).contiguous()
+
+
+def _linear_scale(scale, shift, d_out: int, d_in: int, device):
+    """``(s_out, s_in, dense, shift)`` from ``scale`` (None, dense or a pair) and ``shift``."""
+    s_out = s_in = dense = None
+    if isinstance(scale, (tuple, list)):
+        if len(scale) != 2:
+            raise ValueError("a rank-one scale is a pair (s_out [d_out], s_in [d_in])")
+        s_out = _check_like("scale[0] (s_out)", scale[0], (d_out,), device)
+        s_in = _check_like("scale[1] (s_in)", scale[1], (d_in,), device)
+    elif scale is not None:
+        dense = _check_like("scale", scale, (d_out, d_in), device)
+    if shift is not None:
+        shift = _check_like("shift", shift, (d_out, d_in), device)
+    return s_out, s_in, dense, shift
+
+
+def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool) -> str:
+    if method not in LINEAR_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {LINEAR_METHODS}")
+    if method == "t1" and T != 1:
+        raise ValueError(f"method 't1' is for T = 1 (one position per sample), got T = {T}")
+    if method == "gram" and dense:
+        raise ValueError("method 'gram' takes no dense scale (only None or a rank-one pair); use 'tiled' or 't1'")
+    if method != "auto":
+        return method
+    if T == 1:
+        return "t1"
+    if not dense and T * (d_in + d_out) <= GRAM_CROSSOVER * d_in * d_out:
+        return "gram"
+    return "tiled"
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def linear_sumsq(a: Tensor, g: Tensor, *, scale=None, shift: Tensor | None = None, method: str = "auto",
+                 backend: str = "auto") -> Tensor:  # fmt: skip
+    """Per-sample ``‖S ⊙ (g_i − M)‖²`` of a linear layer's weight gradient ``g_i = G_iᵀ A_i``.
+
+    Args:
+        a: the layer's input, ``[B, d_in]`` or ``[B, T, d_in]`` (float32, float16, bfloat16, float64).
+        g: the gradient of its output, ``[B, d_out]`` or ``[B, T, d_out]``, same dtype and device.
+        scale: ``None``, a dense ``[d_out, d_in]`` tensor, or a pair ``(s_out [d_out], s_in [d_in])``
+            for the rank-one ``S = s_out s_inᵀ``.
+        shift: ``None`` or ``M``, ``[d_out, d_in]``.
+        method: ``"auto"``, ``"t1"``, ``"gram"`` or ``"tiled"`` (module docstring).
+        backend: ``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
+
+    Returns: float64 ``[B]``. Products are formed in float32 (float64 for float64 input) and the
+    squares accumulated in float64; the Gram and shift forms are clamped at 0.
+    """
+    a, g = _linear_inputs(a, g)
+    B, T, d_in = a.shape
+    d_out = g.shape[-1]
+    s_out, s_in, dense, shift = _linear_scale(scale, shift, d_out, d_in, a.device)
+    method = _pick_method(method, T, d_out, d_in, dense is not None)
+    backend = _backend.resolve(backend, a.device)
+    if B == 0:
+        return torch.zeros(0, dtype=torch.float64, device=a.device)
+    return LAYERS.kernels(backend).linear_sumsq(a, g, s_out, s_in, dense, shift, method)
+
+
+def _check_weights(weights, B: int, device) -> Tensor:
+    if not isinstance(weights, Tensor) or not weights.is_floating_point():
+        raise TypeError("weights must be a floating-point tensor [B]")
+    if tuple(weights.shape) != (B,):
+        raise ValueError(f"weights must have shape [B] = [{B}], got {tuple(weights.shape)}")
+    if weights.device != device:
+        raise ValueError(f"weights are on {weights.device} but the activations are on {device}")
+    return weights.contiguous()
+
+
+def linear_weighted_sum(a: Tensor, g: Tensor, weights: Tensor, *, backend: str = "auto") -> Tensor:
+    """The clipped sum of a linear layer's weight gradients, ``Σ_i w_i G_iᵀ A_i = (w ⊙ G)ᵀ A``:
+    one GEMM over all ``B·T`` rows. ``a``, ``g`` as :func:`linear_sumsq`; ``weights`` ``[B]``.
+
+    Returns: float32 ``[d_out, d_in]`` (float64 for float64 input).
+    """
+    a, g = _linear_inputs(a, g)
+    weights = _check_weights(weights, a.shape[0], a.device)
+    backend = _backend.resolve(backend, a.device)
+    out = LAYERS.kernels(backend).linear_weighted_sum(a, g, weights)
+    return out.to(_acc_dtype(a))
+
+
+def _embedding_inputs(ids, g, num_embeddings: int, padding_idx):
+    _check_tensor("ids", ids, (1, 2), (torch.int64, torch.int32))
+    _check_tensor("g", g, (2, 3))
+    B = ids.shape[0]
+    ids = ids.reshape(B, -1).long()
+    g = g.reshape(B, -1, g.shape[-1]) if g.dim() == 3 or ids.shape[1] == 1 else g
+    if g.dim() != 3 or tuple(g.shape[:2]) != tuple(ids.shape):
+        raise ValueError(f"g must be [B, T, d] for ids [B, T] = {list(ids.shape)}, got {tuple(g.shape)}")
+    if g.device != ids.device:
+        raise ValueError(f"ids are on {ids.device} but g is on {g.device}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+        raise ValueError(f"token ids must lie in [0, {num_embeddings}), got [{int(ids.min())}, {int(ids.max())}]")
+    if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx must lie in [0, {num_embeddings}) (normalised), got {padding_idx}")
+    return ids.contiguous(), g.contiguous()
+
+
+def embedding_sumsq(ids: Tensor, g: Tensor, num_embeddings: int, *, padding_idx: int | None = None, scale=None,
+                    shift: Tensor | None = None, backend: str = "auto") -> Tensor:  # fmt: skip
+    """Per-sample ``‖S ⊙ (g_i − M)‖²`` of an embedding's weight gradient ``g_i[v] = Σ_{t: id_it = v}
+    G_it`` (zero at ``padding_idx``), by a segment sum over the distinct (sample, token id) pairs:
+    ``O(B·T·d)``, nothing ``[B, V, d]`` is built.
+
+    Args:
+        ids: token ids ``[B, T]`` (or ``[B]``), int64/int32, any strides (``expand``-ed position ids).
+        g: the gradient of the embedding's output, ``[B, T, d]``.
+        scale, shift: ``None`` or ``[num_embeddings, d]``.
+
+    Returns: float64 ``[B]``.
+    """
+    ids, g = _embedding_inputs(ids, g, num_embeddings, padding_idx)
+    shape = (num_embeddings, g.shape[-1])
+    scale = None if scale is None else _check_like("scale", scale, shape, g.device)
+    shift = None if shift is None else _check_like("shift", shift, shape, g.device)
+    backend = _backend.resolve(backend, g.device)
+    return LAYERS.kernels(backend).embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift)
+
+
+def embedding_weighted_sum(ids: Tensor, g: Tensor, weights: Tensor, num_embeddings: int, *,
+                           padding_idx: int | None = None, backend: str = "auto") -> Tensor:  # fmt: skip
+    """``Σ_i w_i g_i`` for an embedding: ``[num_embeddings, d]``, float32 (float64 for float64 ``g``)."""
+    ids, g = _embedding_inputs(ids, g, num_embeddings, padding_idx)
+    weights = _check_weights(weights, ids.shape[0], g.device)
+    backend = _backend.resolve(backend, g.device)
+    out = LAYERS.kernels(backend).embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx)
+    return out.to(_acc_dtype(g))
+
+
+def conv2d_patches(x: Tensor, g: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1):
+    """A Conv2d as ``groups`` linear layers over im2col patches: per group ``(A, G)`` with ``A``
+    ``[B, T, C_in/groups · kh · kw]`` and ``G`` ``[B, T, C_out/groups]``, ``T = H_out · W_out``.
+
+    ``x`` is the input ``[B, C_in, H, W]``, ``g`` the output gradient ``[B, C_out, H_out, W_out]``;
+    the patch columns are ordered as ``weight[o].flatten()`` (channel, row, column).
+    """
+    _check_tensor("x", x, (4,))
+    _check_tensor("g", g, (4,))
+    if isinstance(padding, str):
+        raise ValueError("conv2d_patches takes numeric padding (the module's resolved _reversed_padding is not used)")
+    B, C_in = x.shape[:2]
+    C_out = g.shape[1]
+    if g.shape[0] != B or C_in % groups or C_out % groups:
+        raise ValueError(f"x {tuple(x.shape)} and g {tuple(g.shape)} do not match a conv with groups={groups}")
+    cols = F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)  # [B, C_in·k, T]
+    T = cols.shape[-1]
+    if g.shape[2] * g.shape[3] != T:
+        raise ValueError(f"g's spatial size {tuple(g.shape[2:])} does not match the unfolded input ({T} positions)")
+    a = cols.view(B, groups, -1, T).transpose(2, 3)  # [B, groups, T, C_in/g · k]
+    gg = g.reshape(B, groups, C_out // groups, T).transpose(2, 3)  # [B, groups, T, C_out/g]
+    return [(a[:, j], gg[:, j]) for j in range(groups)]
+
+
+def _group_rows(x: Tensor | None, groups: int, j: int):
+    """Group ``j``'s rows of a conv weight-shaped ``[C_out, C_in/g, kh, kw]`` tensor as a matrix."""
+    if x is None:
+        return None
+    rows = x.shape[0] // groups
+    return x[j * rows : (j + 1) * rows].reshape(rows, -1)
+
+
+def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
+                 scale: Tensor | None = None, shift: Tensor | None = None, method: str = "auto",
+                 backend: str = "auto") -> Tensor:  # fmt: skip
+    """Per-sample ``‖S ⊙ (g_i − M)‖²`` of a Conv2d weight gradient (``weight_shape`` ``[C_out, C_in/groups,
+    kh, kw]``; ``scale``/``shift`` ``None`` or shaped like the weight): :func:`linear_sumsq` over the
+    im2col patches of each group, summed. Returns float64 ``[B]``."""
+    parts = conv2d_patches(x, g, tuple(weight_shape[2:]), stride, padding, dilation, groups)
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is not None and tuple(t.shape) != tuple(weight_shape):
+            raise ValueError(f"{name} must be shaped like the weight {list(weight_shape)}, got {tuple(t.shape)}")
+    total = None
+    for j, (a, gj) in enumerate(parts):
+        s = linear_sumsq(a, gj, scale=_group_rows(scale, groups, j), shift=_group_rows(shift, groups, j),
+                         method=method, backend=backend)  # fmt: skip
+        total = s if total is None else total + s
+    return total
+
+
+def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, *, stride=1, padding=0, dilation=1,
+                        groups: int = 1, backend: str = "auto") -> Tensor:  # fmt: skip
+    """``Σ_i w_i g_i`` for a Conv2d weight, shaped ``weight_shape``: :func:`linear_weighted_sum` per group."""
+    parts = conv2d_patches(x, g, tuple(weight_shape[2:]), stride, padding, dilation, groups)
+    sums = [linear_weighted_sum(a, gj, weights, backend=backend) for a, gj in parts]
+    return torch.cat(sums).view(weight_shape)

@@ -1,0 +1,291 @@
+"""dpkernels.bk: book-keeping clipping against dpkernels.clip_and_accumulate on the per-sample
+gradients Opacus materialises, on every backend.
+
+Models: an MLP, a CNN with GroupNorm, Embedding + LayerNorm with expanded position ids, a small
+transformer (T = 32, attention from Linear layers), a model with a layer that has no BK rule and no
+Opacus grad sampler (functorch fallback), and a layer called twice per forward. Also shift/scale,
+per-layer clipping, gradient accumulation, an empty batch, non-finite samples, tied parameters,
+that wrapped layers get no weight gradient, and make_private(grad_sample_mode="bk") following the
+per-sample mode for every algorithm.
+"""
+
+import copy
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpkernels
+from dpkernels.bk import BKModule
+from dpkernels.integrations._make_private import PrivacyEngine
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
+
+
+class Affine(nn.Module):
+    """A layer with parameters, no BK rule and no Opacus grad sampler (functorch fallback)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.weight + self.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).unbind(2)
+        att = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k) / (d // self.heads) ** 0.5, -1)
+        return self.out(torch.einsum("bhts,bshd->bthd", att, v).reshape(B, T, d))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab=23, d=16, T=32, classes=3):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d, padding_idx=0), nn.Embedding(T, d)
+        self.ln1, self.att, self.ln2 = nn.LayerNorm(d), Attention(d, 2), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])[None].expand_as(ids)  # non-contiguous position ids
+        x = self.tok(ids) + self.pos(pos)
+        x = x + self.att(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x.mean(1))
+
+
+class EmbedNorm(nn.Module):
+    def __init__(self, vocab=17, d=8, classes=3):
+        super().__init__()
+        self.tok, self.ln, self.head = nn.Embedding(vocab, d, padding_idx=1), nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.ln(self.tok(ids)).mean(1))
+
+
+class Reused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.cell, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(3):  # one Linear, three calls: per-sample gradient is the sum over calls
+            h = torch.tanh(self.cell(h))
+        return self.head(h)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2),
+        nn.Flatten(), nn.Linear(6 * 3 * 3, 3),
+    )  # fmt: skip
+
+
+def _fallback():
+    return nn.Sequential(nn.Linear(5, 7), Affine(7), nn.RMSNorm(7), nn.Linear(7, 3))
+
+
+# model factory, input factory (batch size B)
+MODELS = {
+    "mlp": (_mlp, lambda B: torch.randn(B, 10)),
+    "cnn": (_cnn, lambda B: torch.randn(B, 3, 8, 8)),
+    "embed-ln": (EmbedNorm, lambda B: torch.randint(0, 17, (B, 7))),
+    "transformer": (Transformer, lambda B: torch.randint(0, 23, (B, 32))),
+    "fallback": (_fallback, lambda B: torch.randn(B, 5)),
+    "reused": (Reused, lambda B: torch.randn(B, 6)),
+}
+
+
+def _build(name, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name][0]()
+
+
+def _loss(out, y, reduction="mean"):
+    return nn.functional.cross_entropy(out, y, reduction=reduction)
+
+
+def _opacus_grad_samples(model, x, y, reduction="mean"):
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction=reduction)
+    _loss(gsm(x), y, reduction).backward()
+    for m in gsm._module.modules():
+        # Opacus's Embedding sampler ignores padding_idx; autograd's gradient is zero on that row.
+        if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+            m.weight.grad_sample[:, m.padding_idx] = 0
+    return [p.grad_sample for p in gsm._module.parameters()]
+
+
+def _bk_run(model, batches, reduction="mean"):
+    bk = BKModule(model, loss_reduction=reduction)
+    for x, y in batches:
+        _loss(bk(x), y, reduction).backward()
+    return bk
+
+
+def _close_sums(got, want, rtol=1e-4):
+    for s, t in zip(got, want, strict=True):
+        assert s.dtype == torch.float32 and s.shape == t.shape
+        torch.testing.assert_close(s, t, rtol=rtol, atol=rtol * float(t.abs().max()) + 1e-7)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_matches_clip_and_accumulate_on_opacus_grad_samples(backend_device, name):
+    backend, _ = backend_device
+    if backend == "triton" and name == "transformer":
+        pytest.skip("interpreter: the tiled kernel over B x tiles x T-chunks is covered by the layer tests")
+    model = _build(name)
+    x, y = MODELS[name][1](6), torch.randint(0, 3, (6,))
+    gs = _opacus_grad_samples(model, x, y)
+    want_s, want_n = dpkernels.clip_and_accumulate(gs, 0.5, backend="reference")
+    bk = _bk_run(model, [(x, y)])
+    assert all(p.grad is None for m in model.modules() if type(m) in (nn.Linear, nn.Conv2d, nn.Embedding)
+               for p in m.parameters(recurse=False))  # fmt: skip
+    sums, norms = bk.clip_and_accumulate(0.5, backend=backend)
+    torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
+    _close_sums(sums, [s.float() for s in want_s])
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "embed-ln", "fallback"])
+@pytest.mark.parametrize("mode", ["clip", "psac"])
+def test_shift_scale_and_per_layer(backend_device, name, mode):
+    backend, _ = backend_device
+    model = _build(name)
+    x, y = MODELS[name][1](5), torch.randint(0, 3, (5,))
+    gs = _opacus_grad_samples(model, x, y)
+    params = list(model.parameters())
+    shift = [0.05 * torch.randn_like(p) for p in params]
+    scale = [torch.rand_like(p) + 0.5 for p in params]
+    for kw in (dict(shift=shift, scale=scale), dict(per_layer=True), dict(scale=scale, per_layer=True)):
+        want_s, want_n = dpkernels.clip_and_accumulate(gs, 0.3, mode=mode, backend="reference", **kw)
+        bk = _bk_run(model, [(x, y)])
+        sums, norms = bk.clip_and_accumulate(0.3, mode=mode, backend=backend, **kw)
+        torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
+        _close_sums(sums, [s.float() for s in want_s])
+        bk.unwrap()
+
+
+def test_gradient_accumulation_and_sum_reduction(backend_device):
+    """Two forward/backward passes before one clip: distinct samples, as Opacus's grad_sample list."""
+    backend, _ = backend_device
+    for reduction in ("mean", "sum"):
+        model = _build("cnn")
+        batches = [
+            (torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))),
+            (torch.randn(3, 3, 8, 8), torch.randint(0, 3, (3,))),
+        ]
+        per_batch = [_opacus_grad_samples(model, x, y, reduction) for x, y in batches]
+        gs = [torch.cat(parts) for parts in zip(*per_batch, strict=True)]
+        want_s, want_n = dpkernels.clip_and_accumulate(gs, 1.0, backend="reference")
+        bk = _bk_run(model, batches, reduction)
+        assert bk.pending() == 2
+        sums, norms = bk.clip_and_accumulate(1.0, backend=backend)
+        assert norms.shape == (7,)
+        torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
+        _close_sums(sums, [s.float() for s in want_s])
+        bk.unwrap()
+
+
+def test_empty_batch_gives_zero_sums(backend_device):
+    backend, _ = backend_device
+    model = _build("mlp")
+    bk = _bk_run(model, [(torch.randn(0, 10), torch.zeros(0, dtype=torch.long))], "sum")
+    sums, norms = bk.clip_and_accumulate(1.0, backend=backend)
+    assert norms.shape == (0,)
+    assert all(s.shape == p.shape and not s.any() for s, p in zip(sums, model.parameters(), strict=True))
+
+
+def test_nonfinite_sample_raises_or_is_dropped(backend_device):
+    backend, _ = backend_device
+    model = _build("mlp")
+    x, y = torch.randn(5, 10), torch.randint(0, 3, (5,))
+    x[2, 0] = float("nan")
+    bk = _bk_run(model, [(x, y)])
+    with pytest.raises(ValueError, match=r"non-finite.*\[2\]"):
+        bk.clip_and_accumulate(1.0, backend=backend)
+    bk = _bk_run(model, [(x, y)])
+    sums, norms = bk.clip_and_accumulate(1.0, nonfinite="drop", backend=backend)
+    keep = torch.tensor([0, 1, 3, 4])
+    want_s, _ = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x[keep], y[keep], "sum"), 1.0,
+                                              backend="reference")  # fmt: skip
+    # the mean loss of 5 samples scales each G by 5 (Opacus's rule): the per-sample gradients are those of the sum
+    _close_sums(sums, [s.float() for s in want_s])
+
+
+def test_tied_parameters_raise():
+    model = _mlp()
+    model.append(nn.Linear(3, 16))
+    model[3].weight = model[0].weight
+    with pytest.raises(NotImplementedError, match="shared"):
+        BKModule(model)
+
+
+def test_unwrap_restores_the_model():
+    model = _build("transformer")
+    x = torch.randint(0, 23, (2, 32))
+    want = model(x)
+    bk = BKModule(model)
+    torch.testing.assert_close(bk(x), want)
+    assert bk.unwrap() is model and "forward" not in model.head.__dict__
+    torch.testing.assert_close(model(x), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# make_private(grad_sample_mode="bk") follows the per-sample mode for every algorithm
+# ---------------------------------------------------------------------------------------------
+
+SETUPS = {
+    "dpsgd": (lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5), {}),
+    "dpsgd-auto_s": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"mode": "auto_s"}),
+    "psac": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"r": 0.1}),
+    "dp2": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"s1": 2, "s2": 2, "lr2": 0.05}),
+    "pmlf": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"k": 3}),
+    "dpadam": (lambda ps: torch.optim.Adam(ps, lr=0.02), {}),
+    "dpadam_bc": (lambda ps: torch.optim.AdamW(ps, lr=0.002, weight_decay=0.0), {}),
+    "stp": (lambda ps: torch.optim.Adam(ps, lr=0.02), {"eps1": 1e-3}),
+    "macadam": (lambda ps: torch.optim.Adam(ps, lr=0.004), {}),
+}
+
+
+def _train(setup, mode, steps=10):
+    algorithm = setup.split("-")[0]
+    make_opt, kw = SETUPS[setup]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8 * steps, 10, generator=g)
+    y = torch.randint(0, 3, (8 * steps,), generator=g)
+    pe = PrivacyEngine(accountant="rdp")
+    module, opt, loader = pe.make_private(
+        module=model, optimizer=make_opt(model.parameters()), data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=0.7, max_grad_norm=0.5, poisson_sampling=False, algorithm=algorithm, backend="cpu", seed=11,
+        grad_sample_mode=mode, **kw,
+    )  # fmt: skip
+    for xb, yb in loader:
+        opt.zero_grad()
+        _loss(module(xb), yb).backward()
+        opt.step(batch=(xb, yb)) if algorithm == "pmlf" else opt.step()
+    return [p.detach().clone() for p in model.parameters()], pe.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_make_private_bk_follows_per_sample_mode(setup):
+    want, eps_hooks = _train(setup, "hooks")
+    got, eps_bk = _train(setup, "bk")
+    assert eps_bk == eps_hooks
+    for p, q in zip(got, want, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

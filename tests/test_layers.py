@@ -1,0 +1,199 @@
+"""dpkernels.layers: the book-keeping layer ops on every backend against the float64 reference.
+
+Linear (T = 1 and T > 1; no scale, rank-one and dense scale, each with and without shift; every
+method), Conv2d (groups, stride, padding, dilation) against per-sample gradients from
+``torch.nn.grad.conv2d_weight``, Embedding (padding_idx, scale, shift, expanded ids), the clipped
+sums, dtypes fp32/fp16/bf16, B = 1 and B = 0, and bad input.
+"""
+
+import pytest
+import torch
+
+import dpkernels.layers as L
+from dpkernels.reference import layers as ref
+
+# Linear shapes (B, T, d_in, d_out): odd sizes, T = 1, B = 1, not multiples of any tile.
+SHAPES = [(5, 1, 7, 13), (1, 1, 3, 2), (3, 6, 9, 5), (2, 17, 33, 20)]
+# Relative tolerance against the float64 reference, by input dtype (half inputs are compared
+# against the reference on the rounded inputs: the op upcasts before any product).
+RTOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
+
+
+def _scales(kind, d_out, d_in, device):
+    if kind == "none":
+        return None
+    if kind == "rank1":
+        return (torch.rand(d_out, device=device) + 0.5, torch.rand(d_in, device=device) + 0.5)
+    return torch.rand(d_out, d_in, device=device) + 0.25
+
+
+def _methods(T, scale_kind):
+    methods = ["auto", "tiled"]
+    if T == 1:
+        methods.append("t1")
+    if scale_kind != "dense":
+        methods.append("gram")
+    return methods
+
+
+def _check_sumsq(out, want, rtol):
+    assert out.dtype == torch.float64 and out.shape == want.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu(), want.cpu(), rtol=rtol, atol=rtol * float(want.abs().max()) + 1e-30)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scale_kind", ["none", "rank1", "dense"])
+@pytest.mark.parametrize("with_shift", [False, True], ids=["noshift", "shift"])
+def test_linear_sumsq_matches_reference(backend_device, shape, scale_kind, with_shift):
+    backend, device = backend_device
+    B, T, d_in, d_out = shape
+    a = torch.randn(B, T, d_in, device=device)
+    g = torch.randn(B, T, d_out, device=device)
+    scale = _scales(scale_kind, d_out, d_in, device)
+    shift = 0.3 * torch.randn(d_out, d_in, device=device) if with_shift else None
+    want = ref.linear_sumsq(a, g, scale, shift)
+    methods = ["auto"] if backend == "reference" else _methods(T, scale_kind)
+    for method in methods:
+        out = L.linear_sumsq(a, g, scale=scale, shift=shift, method=method, backend=backend)
+        # The shift expansion subtracts terms of size ‖S⊙g‖² + ‖S⊙M‖²: tolerance relative to them.
+        _check_sumsq(out, want, 1e-4 if with_shift and method != "tiled" else RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_linear_sumsq_half_inputs(backend_device, dtype):
+    backend, device = backend_device
+    a = torch.randn(3, 5, 11, device=device).to(dtype)
+    g = torch.randn(3, 5, 6, device=device).to(dtype)
+    dense = torch.rand(6, 11, device=device) + 0.5
+    for scale, methods in ((None, ["gram", "tiled"]), (dense, ["tiled"])):
+        want = ref.linear_sumsq(a.float(), g.float(), scale)
+        for method in methods if backend != "reference" else ["auto"]:
+            out = L.linear_sumsq(a, g, scale=scale, method=method, backend=backend)
+            _check_sumsq(out, want, RTOL[dtype])
+
+
+def test_linear_two_dim_input_is_t1(backend_device):
+    backend, device = backend_device
+    a, g, w = torch.randn(4, 9, device=device), torch.randn(4, 3, device=device), torch.rand(4, device=device)
+    _check_sumsq(L.linear_sumsq(a, g, backend=backend), ref.linear_sumsq(a, g), 1e-6)
+    out = L.linear_weighted_sum(a, g, w, backend=backend)
+    torch.testing.assert_close(out.double().cpu(), ref.linear_weighted_sum(a, g, w).cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_weighted_sum(backend_device, shape, dtype):
+    backend, device = backend_device
+    B, T, d_in, d_out = shape
+    a = torch.randn(B, T, d_in, device=device).to(dtype)
+    g = torch.randn(B, T, d_out, device=device).to(dtype)
+    w = torch.rand(B, device=device)
+    w[0] = 0.0
+    out = L.linear_weighted_sum(a, g, w, backend=backend)
+    assert out.dtype == torch.float32 and out.shape == (d_out, d_in)
+    want = ref.linear_weighted_sum(a, g, w)
+    torch.testing.assert_close(out.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_empty_batch(backend_device):
+    backend, device = backend_device
+    a, g = torch.randn(0, 3, 4, device=device), torch.randn(0, 3, 5, device=device)
+    assert L.linear_sumsq(a, g, backend=backend).shape == (0,)
+    out = L.linear_weighted_sum(a, g, torch.ones(0, device=device), backend=backend)
+    assert out.shape == (5, 4) and not out.any()
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(kernel_size=(3, 3), stride=1, padding=1, dilation=1, groups=1),
+        dict(kernel_size=(2, 3), stride=2, padding=0, dilation=1, groups=2),
+        dict(kernel_size=(3, 3), stride=1, padding=2, dilation=2, groups=1),
+    ],
+    ids=["3x3-pad1", "2x3-s2-g2", "dil2"],
+)
+@pytest.mark.parametrize("with_scale", [False, True], ids=["noscale", "scale"])
+def test_conv2d_against_per_sample_conv_gradients(backend_device, conv, with_scale):
+    backend, device = backend_device
+    B, C_in, C_out, H, W = 3, 4, 6, 7, 6
+    ks, stride, padding, dilation, groups = conv.values()
+    weight = torch.randn(C_out, C_in // groups, *ks, device=device)
+    x = torch.randn(B, C_in, H, W, device=device)
+    y = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation, groups)
+    g = torch.randn_like(y)
+    per_sample = torch.stack([
+        torch.nn.grad.conv2d_weight(x[i : i + 1].double(), weight.shape, g[i : i + 1].double(), stride, padding,
+                                    dilation, groups)
+        for i in range(B)
+    ])  # fmt: skip
+    scale = torch.rand(weight.shape, device=device) + 0.5 if with_scale else None
+    shift = 0.1 * torch.randn(weight.shape, device=device)
+    want = ref.masked_sumsq(per_sample, None if scale is None else scale.double(), shift.double())
+    args = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, backend=backend)
+    out = L.conv2d_sumsq(x, g, weight.shape, scale=scale, shift=shift, **args)
+    _check_sumsq(out, want, 1e-4)
+    w = torch.rand(B, device=device)
+    s = L.conv2d_weighted_sum(x, g, w, weight.shape, **args)
+    torch.testing.assert_close(s.double().cpu(), torch.einsum("b,b...->...", w.double(), per_sample).cpu(),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize("with_scale_shift", [False, True], ids=["plain", "scale-shift"])
+def test_embedding(backend_device, padding_idx, with_scale_shift):
+    backend, device = backend_device
+    V, d, B, T = 11, 5, 4, 9
+    ids = torch.randint(0, V, (B, T), device=device)
+    ids[0, :3] = 4  # repeated ids within a sample are summed before squaring
+    if padding_idx is not None:
+        ids[1, 1] = padding_idx
+    g = torch.randn(B, T, d, device=device)
+    scale = torch.rand(V, d, device=device) + 0.5 if with_scale_shift else None
+    shift = 0.2 * torch.randn(V, d, device=device) if with_scale_shift else None
+    want = ref.embedding_sumsq(ids, g, V, padding_idx, scale, shift)
+    out = L.embedding_sumsq(ids, g, V, padding_idx=padding_idx, scale=scale, shift=shift, backend=backend)
+    _check_sumsq(out, want, 1e-5)
+    w = torch.rand(B, device=device)
+    s = L.embedding_weighted_sum(ids, g, w, V, padding_idx=padding_idx, backend=backend)
+    want_s = ref.embedding_weighted_sum(ids, g, w, V, padding_idx)
+    torch.testing.assert_close(s.double().cpu(), want_s.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_expanded_position_ids(backend_device):
+    """Position ids built with ``expand`` (stride 0 over the batch): Opacus's ghost norm views them."""
+    backend, device = backend_device
+    B, T, d = 3, 6, 4
+    ids = torch.arange(T, device=device)[None].expand(B, T)
+    g = torch.randn(B, T, d, device=device)
+    _check_sumsq(L.embedding_sumsq(ids, g, T, backend=backend), ref.embedding_sumsq(ids.contiguous(), g, T), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: L.linear_sumsq(torch.randn(3, 4), torch.randn(2, 5)), ValueError, "leading dimensions"),
+        (lambda: L.linear_sumsq(torch.randn(3, 4), torch.randn(3, 5).double()), TypeError, "one dtype"),
+        (lambda: L.linear_sumsq(torch.randn(3, 2, 4), torch.randn(3, 2, 5), method="t1"), ValueError, "T = 1"),
+        (lambda: L.linear_sumsq(torch.randn(3, 4), torch.randn(3, 5), scale=torch.ones(4, 5)), ValueError, "shape"),
+        (lambda: L.linear_sumsq(torch.randn(3, 2, 4), torch.randn(3, 2, 5), scale=torch.ones(5, 4), method="gram"),
+         ValueError, "dense scale"),
+        (lambda: L.linear_sumsq(torch.randn(3, 4), torch.randn(3, 5), method="fast"), ValueError, "unknown method"),
+        (lambda: L.linear_sumsq(torch.randn(3), torch.randn(3)), ValueError, "dimensions"),
+        (lambda: L.linear_sumsq(torch.ones(3, 4, dtype=torch.int32), torch.ones(3, 5, dtype=torch.int32)), TypeError,
+         "float"),
+        (lambda: L.linear_weighted_sum(torch.randn(3, 4), torch.randn(3, 5), torch.ones(2)), ValueError, r"\[B\]"),
+        (lambda: L.embedding_sumsq(torch.tensor([[0, 7]]), torch.randn(1, 2, 3), 5), ValueError, "token ids"),
+        (lambda: L.embedding_sumsq(torch.tensor([[0, 1]]), torch.randn(1, 3, 3), 5), ValueError, "g must be"),
+    ],
+)  # fmt: skip
+def test_bad_input_raises(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_auto_method_choice():
+    assert L._pick_method("auto", 1, 64, 64, True) == "t1"
+    assert L._pick_method("auto", 4, 256, 256, False) == "gram"
+    assert L._pick_method("auto", 4, 256, 256, True) == "tiled"
+    assert L._pick_method("auto", 512, 64, 64, False) == "tiled"
