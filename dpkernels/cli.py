@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpkernels", description="Fused kernels for DP training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from .bench._timing import SECTIONS
+    from .bench._timing import DEVICES, SECTIONS
     from .bench.shapes import SHAPES
 
     bench = sub.add_parser(
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark clip_and_accumulate against the reference, torch.compile and Opacus",
         description=(
             "Time dpkernels.clip_and_accumulate per backend on model-shaped per-sample gradient "
-            "lists (fp32, CPU), side by side with the eager reference, torch.compile of it, "
-            "Opacus's DPOptimizer.clip_and_accumulate and same-run copy/read bandwidth. Prints "
+            "lists (fp32, on CPU or CUDA tensors), side by side with the eager reference, torch.compile "
+            "of it, Opacus's DPOptimizer.clip_and_accumulate and same-run copy/read bandwidth. Prints "
             "one table per shape and writes every raw number to a JSON file."
         ),
     )
@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
     )
     _subset_option(bench, "--sections", "section", SECTIONS)
+    bench.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the inputs live and what is timed: CPU tensors (cpu backend), or CUDA tensors (cuda and "
+        "triton backends, synchronized timing) (default %(default)s)",
+    )
     bench.add_argument("--warmup", type=_positive_int, default=2, metavar="N", help="untimed calls first (%(default)s)")
     bench.add_argument(
         "--threads",
@@ -189,6 +196,15 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench._timing import BenchConfig
     from .bench.runner import run
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        cuda = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(
+            f"dpkernels bench: error: --device cuda, but torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, {cuda}): no usable CUDA GPU or driver here; run on a GPU machine "
+            "or use --device cpu",
+            file=sys.stderr,
+        )
+        return 2
     preset = QUICK if args.quick else FULL
     cfg = BenchConfig(
         shapes=args.shapes,
@@ -199,6 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
         budget_s=preset["budget_s"],
         compile_skip=_compile_skip(args),
         sections=args.sections,
+        device=args.device,
     )
     run(cfg, json_path=args.json)
     return 0

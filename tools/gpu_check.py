@@ -16,8 +16,8 @@ Steps (``make gpu-check``, or ``python3 tools/gpu_check.py``):
 3. GPU, driver, CUDA, torch, Triton and package versions;
 4. ``python -m pytest`` over the whole suite (the CUDA and Triton-on-CUDA cases run when a GPU
    is present; the suite skips what the machine lacks);
-5. ``dpkernels bench`` (``$BENCH_ARGS``, default ``--quick``), on CUDA tensors when the CLI has a
-   ``--device`` option.
+5. ``dpkernels bench --device cuda`` (then ``$BENCH_ARGS``, default ``--quick``): the cuda and
+   triton backends timed on CUDA tensors (``--device cpu`` when rehearsing without a GPU).
 
 Everything goes to one folder (``--out``; default ``$DPK_GPU_CHECK_OUT``, else ``$OUT``, else
 ``gpu-check-out/``): ``gpu-check.log`` (every command and its output) and ``gpu-check.json``
@@ -302,24 +302,13 @@ def _run_tests(log: Log, vpy: Path, env: dict, pytest_args: list[str] | None, tm
 
 
 def _run_bench(log: Log, venv: Path, env: dict, bench_args: list[str], tmp: Path, gpu: bool) -> dict:
+    """``dpkernels bench`` on CUDA tensors when a GPU was found (CPU tensors when rehearsing
+    without one), then ``bench_args`` (which may name another ``--device``)."""
     exe = str(venv / "bin" / "dpkernels")
-    rc, help_text, _ = log.run([exe, "bench", "--help"], env=env, capture=True)
-    if rc != 0:
-        return {"ok": False, "rc": rc, "error": "dpkernels bench --help failed"}
     out_json = tmp / "bench.json"
-    cmd = [exe, "bench", "--json", str(out_json)]
-    res: dict = {"device_option": "--device" in help_text}
-    if res["device_option"]:
-        device = "cuda" if gpu else "cpu"
-        cmd += ["--device", device]
-        res["device"] = device
-    else:
-        res["device"] = "cpu"
-        res["note"] = "dpkernels bench has no --device option: it timed CPU tensors only"
-        log.line(f"NOTE: {res['note']}")
-    cmd += bench_args
-    rc, _, secs = log.run(cmd, env=env)
-    res.update(args=bench_args, rc=rc, elapsed_s=secs, ok=rc == 0)
+    device = "cuda" if gpu else "cpu"
+    rc, _, secs = log.run([exe, "bench", "--json", str(out_json), "--device", device, *bench_args], env=env)
+    res: dict = {"device": device, "args": bench_args, "rc": rc, "elapsed_s": secs, "ok": rc == 0}
     if out_json.exists():
         try:
             res["results"] = json.loads(out_json.read_text())

@@ -5,8 +5,9 @@ Not part of the library API (``import dpkernels`` does not import it); the comma
 importing only those listed before it:
 
 - :mod:`~dpkernels.bench.shapes`: the model-shaped per-sample gradient lists;
-- :mod:`~dpkernels.bench._timing`: providers, the run's configuration, the measurement (shuffled
-  rounds, cache flush, other processes' load) and the same-run bandwidth and Opacus baselines;
+- :mod:`~dpkernels.bench._timing`: providers, the run's configuration, the backends timed per
+  device, the measurement (shuffled rounds, cache flush, other processes' load; on ``--device
+  cuda``, CUDA events between synchronizations) and the same-run bandwidth and Opacus baselines;
 - :mod:`~dpkernels.bench._report`: result rows, ratios, targets and tables;
 - the sections: :mod:`~dpkernels.bench.clip` (``clip``), :mod:`~dpkernels.bench.noise` (``noise``,
   ``privatize``), :mod:`~dpkernels.bench.step` (``step``), :mod:`~dpkernels.bench.train_step`

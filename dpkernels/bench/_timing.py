@@ -2,10 +2,12 @@
 
 A timed thing is a :class:`Provider`; :func:`time_round_robin` times a list of them in rounds, each
 round in a freshly shuffled order, every call preceded (untimed) by the provider's ``prepare`` and
-a read of a buffer twice the last-level cache, the garbage collector off inside the call, and
-reports how many cores other processes kept busy meanwhile. Also here: the run's configuration,
-the same-run bandwidth baselines and the Opacus baselines' set-up. The method in full is the
-docstring of :mod:`dpkernels.bench.clip` and docs/BENCHMARKS.md.
+a read of a buffer twice the last-level cache (the GPU's L2 on ``cuda``), the garbage collector
+off inside the call, and reports how many cores other processes kept busy meanwhile. On ``cuda``
+a call is timed with CUDA events between two ``torch.cuda.synchronize()`` (never an asynchronous
+launch alone). Also here: the run's configuration, the device's timed backends, the same-run
+bandwidth baselines and the Opacus baselines' set-up. The method in full is the docstring of
+:mod:`dpkernels.bench.clip` and docs/BENCHMARKS.md.
 
 Imports nothing from the section modules (which all import it).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import _backend
 from .shapes import SHAPES
 
 SEED = 20261123  # the noise seed of every timed dpkernels call
@@ -37,6 +40,12 @@ SIGMA = 1.0  # the noise multiplier of the private providers (noise, privatize, 
 #: optimizer steps and the full DP step (:mod:`dpkernels.bench.step`), a whole training step with
 #: Opacus, accelerated or not, and without privacy (:mod:`dpkernels.bench.train_step`).
 SECTIONS = ("clip", "noise", "privatize", "step", "train")
+
+#: Where ``dpkernels bench --device`` builds its inputs and times: CPU tensors, or CUDA tensors.
+DEVICES = ("cpu", "cuda")
+#: The dpkernels backends the sections time per device, in the order ``backend="auto"`` prefers
+#: them; a section's target is measured on the first. (On CPU tensors Triton only interprets.)
+NATIVE_BACKENDS = {"cpu": ("cpu",), "cuda": ("cuda", "triton")}
 
 
 @dataclass
@@ -49,6 +58,7 @@ class BenchConfig:
     budget_s: float = 20.0  # per provider and shape; slower providers get fewer rounds
     compile_skip: str | None = None  # a reason to leave out torch.compile of the reference
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    device: str = "cpu"  # one of DEVICES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,6 +89,18 @@ class Provider:
     min_warmup: int = 1  # warm-up calls made even when they are slow (compilation needs 2)
 
 
+def timed_backends(device: str) -> list[str]:
+    """The backends of :data:`NATIVE_BACKENDS` usable here for ``device``'s tensors."""
+    usable = _backend.available_backends(device)
+    return [b for b in NATIVE_BACKENDS[device] if b in usable]
+
+
+def per_backend_name(label: str, backend: str) -> str:
+    """A provider's name for a ``label`` timed on several backends: ``label`` itself on the cpu
+    backend (the name the CPU results have always had), ``label [backend]`` on the others."""
+    return label if backend == "cpu" else f"{label} [{backend}]"
+
+
 def copy_provider(src: Tensor, note: str) -> Provider:
     """``dst.copy_(src)`` into a buffer filled once (so its pages are faulted in before any timing);
     bytes counted: read + written."""
@@ -86,12 +108,12 @@ def copy_provider(src: Tensor, note: str) -> Provider:
     return Provider("copy", "bandwidth", call=lambda: dst.copy_(src), bytes_moved=8 * src.numel(), note=note)
 
 
-def bandwidth_providers(nbytes: int) -> list[Provider]:
-    """Same-run copy and read baselines on fresh ``nbytes`` buffers.
+def bandwidth_providers(nbytes: int, device: str = "cpu") -> list[Provider]:
+    """Same-run copy and read baselines on fresh ``nbytes`` buffers on ``device``.
 
     The buffers are filled first so their pages are faulted in before anything is timed.
     """
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(nbytes // 4, device=device)
     return [
         copy_provider(src, "dst.copy_(src)"),
         Provider("read", "bandwidth", call=lambda: torch.sum(src), bytes_moved=nbytes, note="torch.sum(src)"),
@@ -114,14 +136,15 @@ def opacus_optimizer(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch_size: int,
+    device: str = "cpu",
 ):
-    """``(params, DPOptimizer(inner(params)))`` on fresh zero parameters of ``param_shapes``.
+    """``(params, DPOptimizer(inner(params)))`` on fresh zero parameters of ``param_shapes`` on ``device``.
 
     Call only where :func:`opacus_missing` returned None.
     """
     from opacus.optimizers import DPOptimizer
 
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in param_shapes]
+    params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in param_shapes]
     opt = DPOptimizer(
         inner(params),
         noise_multiplier=noise_multiplier,
@@ -149,8 +172,11 @@ def reset_opacus_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[Ten
 # ----------------------------------------------------------------------------------------------
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache on this machine, from sysfs (32 MiB where sysfs does not say)."""
+def last_level_cache_bytes(device: str = "cpu") -> int:
+    """The largest cache in front of ``device``'s memory: the CPU's from sysfs (32 MiB where sysfs
+    does not say), the current GPU's L2 on ``cuda``."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())
@@ -160,36 +186,62 @@ def last_level_cache_bytes() -> int:
 
 
 class CacheFlush:
-    """Evicts this process's data from the CPU caches by reading a buffer twice their size.
+    """Evicts this process's data from ``device``'s caches by reading a buffer twice their size.
 
     Reading (not writing) leaves the caches full of clean lines, so the next call's evictions
     cost no write-backs; the previous call's dirty lines are written back here, untimed.
     """
 
-    def __init__(self, nbytes: int | None = None):
-        self.buf = torch.ones((nbytes or 2 * last_level_cache_bytes()) // 4)
+    def __init__(self, nbytes: int | None = None, device: str = "cpu"):
+        self.buf = torch.ones((nbytes or 2 * last_level_cache_bytes(device)) // 4, device=device)
 
     def __call__(self) -> None:
         self.buf.sum()
 
 
-_flush_caches: CacheFlush | None = None
+_cache_flushes: dict[str, CacheFlush] = {}
 
 
-def timed_call(p: Provider) -> float:
-    """Seconds for one ``p.call()``, after an untimed ``p.prepare()`` and cache flush; garbage
-    collector off."""
-    global _flush_caches
+def flush_caches(device: str) -> None:
+    """Run ``device``'s :class:`CacheFlush`, made on first use (on ``cuda`` it only queues the read:
+    the timer's ``synchronize`` waits for it before the clock starts)."""
+    if device not in _cache_flushes:
+        _cache_flushes[device] = CacheFlush(device=device)
+    _cache_flushes[device]()
+
+
+def _elapsed_cpu(call: Callable[[], object]) -> float:
+    """Seconds of ``call()`` by ``time.perf_counter``."""
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def _elapsed_cuda(call: Callable[[], object]) -> float:
+    """Seconds of ``call()`` on the GPU: CUDA events on the current stream, the device idle before
+    (``synchronize``) and waited for after, so the time spans the host's launches (the GPU idles
+    while they lag) through the end of the last kernel, never an asynchronous launch alone."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+
+
+_CLOCKS = {"cpu": _elapsed_cpu, "cuda": _elapsed_cuda}
+
+
+def timed_call(p: Provider, device: str = "cpu") -> float:
+    """Seconds for one ``p.call()`` on ``device``, after an untimed ``p.prepare()`` and cache flush;
+    garbage collector off."""
     p.prepare()
-    if _flush_caches is None:
-        _flush_caches = CacheFlush()
-    _flush_caches()
+    flush_caches(device)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        t0 = time.perf_counter()
-        p.call()
-        return time.perf_counter() - t0
+        return _CLOCKS[device](p.call)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -234,12 +286,13 @@ def time_round_robin(
     budget_s: float,
     min_repeats: int = 3,
     on_call: Callable[[Provider, str], None] = lambda p, phase: None,
+    device: str = "cpu",
 ) -> dict[str, dict]:
-    """Warm up every provider, then run ``repeats`` rounds, each in a shuffled order.
+    """Warm up every provider, then run ``repeats`` rounds, each in a shuffled order, on ``device``.
 
     Returns, per provider name, ``times_s`` (the timed calls), ``warmup_s`` and the number of
-    rounds it ran. Warm-up stops early (after ``p.min_warmup`` calls) once it took
-    ``budget_s / 4``. A provider whose steady call time × ``repeats`` exceeds ``budget_s`` runs
+    rounds it ran. Warm-up stops early (after ``p.min_warmup`` calls, at least 2 on ``cuda``)
+    once it took ``budget_s / 4``. A provider whose steady call time × ``repeats`` exceeds ``budget_s`` runs
     in ``max(min_repeats, budget_s / call time)`` rounds instead. Under the ``"_other_cpu_cores"``
     key: the cores other processes kept busy during the rounds (:func:`other_cpu_cores`).
     """
@@ -248,12 +301,15 @@ def time_round_robin(
         if p.skip is not None:
             continue
         res[p.name] = {"times_s": [], "warmup_s": []}
+        # On a GPU the first call also loads kernels (Triton's JIT, CUDA's lazy module loading,
+        # cuBLAS handles): the second shows the steady time the round plan is made from.
+        min_warmup = p.min_warmup if device == "cpu" else max(p.min_warmup, 2)
         try:
-            for i in range(max(warmup, p.min_warmup)):
+            for i in range(max(warmup, min_warmup)):
                 # A call that takes seconds is warm after one run; more would only cost time.
-                if i >= p.min_warmup and sum(res[p.name]["warmup_s"]) > budget_s / 4:
+                if i >= min_warmup and sum(res[p.name]["warmup_s"]) > budget_s / 4:
                     break
-                res[p.name]["warmup_s"].append(timed_call(p))
+                res[p.name]["warmup_s"].append(timed_call(p, device))
                 on_call(p, "warm-up")
         except Exception as exc:  # e.g. no C++ compiler for torch.compile: report it, time the rest
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
@@ -273,7 +329,7 @@ def time_round_robin(
         gc.collect()
         for p in order.sample(live, len(live)):
             if r in plan[p.name]:
-                res[p.name]["times_s"].append(timed_call(p))
+                res[p.name]["times_s"].append(timed_call(p, device))
                 on_call(p, f"round {r + 1}/{repeats}")
     res["_other_cpu_cores"] = other_cpu_cores(before, cpu_snapshot())
     return res
@@ -282,8 +338,8 @@ def time_round_robin(
 def time_providers(
     providers: Sequence[Provider], cfg: BenchConfig, on_call: Callable[[Provider, str], None]
 ) -> tuple[dict[str, dict], float]:
-    """:func:`time_round_robin` with ``cfg``'s repeats, warm-up and budget: ``(results, other cores)``."""
-    res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call)
+    """:func:`time_round_robin` with ``cfg``'s repeats, warm-up, budget and device: ``(results, other cores)``."""
+    res = time_round_robin(providers, cfg.repeats, cfg.warmup, cfg.budget_s, on_call=on_call, device=cfg.device)
     return res, res.pop("_other_cpu_cores")
 
 

@@ -5,22 +5,28 @@
 :mod:`dpkernels.bench._timing`.)
 
 What is measured, per named model shape (a list of ``[B, *param_shape]`` fp32 per-sample
-gradients, built once with ``randn`` and shared by every provider):
+gradients, built once with ``randn`` on the CPU, moved to the ``--device`` (``cpu`` by default,
+or ``cuda``) and shared by every provider):
 
-- **Providers.** Each dpkernels backend usable for CPU tensors through the public
-  :func:`dpkernels.clip_and_accumulate` (``triton`` is listed but skipped: the interpreter's
-  timing means nothing); the pure-PyTorch reference called directly, eager
+- **Providers.** Each native dpkernels backend usable for the device's tensors through the
+  public :func:`dpkernels.clip_and_accumulate`: ``cpu`` (``triton`` is listed but skipped on CPU
+  tensors: the interpreter's timing means nothing), or ``cuda`` and ``triton``; the pure-PyTorch
+  reference called directly, eager
   (``dpkernels.reference.clip.clip_and_accumulate``; the public ``reference`` backend runs the
   same code, plus argument checks); ``torch.compile`` of that reference (default options, from
   a reset Dynamo state per shape; the first call, which compiles, is excluded and reported; off
   under ``--quick``, since cold compilation of a 150-tensor list takes minutes); and Opacus's
   ``DPOptimizer.clip_and_accumulate`` on the same tensors.
   All use flat clipping, ``c_i = min(1, C / (n_i + 1e-6))``.
-- **Time.** ``time.perf_counter`` around one call. Warm-up calls first (one only for a call that
-  takes seconds, two for the compiled reference), then ``repeats`` rounds;
+- **Time.** ``time.perf_counter`` around one call; on ``cuda``, CUDA events around it with the
+  device synchronized before and after (so a time spans launches and kernels, never an
+  asynchronous launch alone). Warm-up calls first (one only for a call that takes seconds, two
+  for the compiled reference and for every provider on ``cuda``, whose first call loads
+  kernels), then ``repeats`` rounds;
   each round runs every provider once, in an order shuffled per round (seeded), so machine
   drift hits all providers alike and no provider always follows the same one. Before every
-  timed call (untimed) a buffer of twice the last-level cache is read, so every call, the
+  timed call (untimed) a buffer of twice the last-level cache (on ``cuda``, the GPU's L2) is
+  read, so every call, the
   bandwidth baselines included, starts with its data out of cache: without it, a shape that
   fits in cache (small-b8 is 48 MiB) hands whichever provider follows one that touched the
   same bytes (*read* after *copy* of the same buffer) a warm cache and the rest a cold one.
@@ -30,10 +36,11 @@ gradients, built once with ``randn`` and shared by every provider):
   processes kept busy meanwhile (from ``/proc/stat`` minus this process's own CPU time), since
   on a shared machine that is what makes a run untrustworthy.
 - **Bandwidth.** Two same-run baselines on a fresh buffer of the same size as the per-sample
-  gradients: *copy* (``dst.copy_(src)``, counting bytes read + written) and *read*
-  (``torch.sum(src)``, counting bytes read). A provider's GB/s counts the minimum traffic of
+  gradients, on the same device: *copy* (``dst.copy_(src)``, counting bytes read + written) and
+  *read* (``torch.sum(src)``, counting bytes read). A provider's GB/s counts the minimum traffic of
   the fused op, **2 reads** of the per-sample gradients (norms pass, then weighted-sum pass);
-  it is reported as a percentage of both baselines. The cpu backend's target is >= 80% of read.
+  it is reported as a percentage of both baselines. The cpu backend's target is >= 80% of read
+  (on ``cuda`` the same yardstick is applied to the cuda backend).
 - **Error.** Max abs (and, in the JSON, relative) error of the sums and of the norms against
   the **float64** reference (``dpkernels.reference.clip.clip_and_accumulate`` on ``.double()``
   copies). Opacus returns no norms.
@@ -43,7 +50,8 @@ gradients, built once with ``randn`` and shared by every provider):
   those events gives the peak of memory allocated during the call on top of what existed
   before it (outputs included; ``malloc`` calls that bypass the allocator, e.g. small
   ``std::vector`` scratch, are not seen). Shown in MiB and relative to ``B·D·4`` and
-  ``(B+D)·4`` bytes: an O(B + D) op keeps the first ratio far below 1.
+  ``(B+D)·4`` bytes: an O(B + D) op keeps the first ratio far below 1. On ``cuda``: the CUDA
+  caching allocator's ``max_memory_allocated`` during the call, less what was allocated before.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from .. import _backend
 from ..reference import clip as ref
 from . import _report as report
 from ._timing import (
+    NATIVE_BACKENDS,
     BenchConfig,
     Provider,
     bandwidth_providers,
@@ -82,7 +91,7 @@ READ_TARGET = 0.80  # the cpu backend must reach 80% of same-run read bandwidth 
 
 
 def float64_reference(grads: Sequence[Tensor], max_grad_norm: float) -> tuple[list[Tensor], Tensor]:
-    """The reference pipeline in float64: the yardstick for every provider's error."""
+    """The reference pipeline in float64 (on the gradients' device): the yardstick for every provider's error."""
     g64 = [g.double() for g in grads]
     sums, norms = ref.clip_and_accumulate([g64], max_grad_norm)
     return sums, norms
@@ -106,6 +115,7 @@ def _opacus_provider(shape: Shape, grads: list[Tensor], max_grad_norm: float, nb
         noise_multiplier=0.0,
         max_grad_norm=max_grad_norm,
         expected_batch_size=shape.batch_size,
+        device=grads[0].device.type,
     )
     return Provider(
         "opacus",
@@ -118,10 +128,18 @@ def _opacus_provider(shape: Shape, grads: list[Tensor], max_grad_norm: float, nb
     )
 
 
+def clip_backends(device: str) -> list[tuple[str, str | None]]:
+    """``(backend, why it is skipped, or None)`` per dpkernels backend the clip table lists for
+    ``device``'s tensors: the native ones, and on CPU tensors triton too, always skipped."""
+    usable = _backend.available_backends(device)
+    listed = [(b, None if b in usable else _backend._why_unavailable(b, device)) for b in NATIVE_BACKENDS[device]]
+    return listed + [("triton", TRITON_SKIP)] if device == "cpu" else listed
+
+
 def clip_providers(
     shape: Shape, grads: list[Tensor], max_grad_norm: float, *, compile_skip: str | None = None
 ) -> list[Provider]:
-    """The providers of the fused op, in table order: dpkernels backends, then baselines.
+    """The providers of the fused op on ``grads``' device, in table order: dpkernels backends, then baselines.
 
     ``compile_skip``: leave out ``torch.compile`` of the reference, with this reason.
     """
@@ -131,13 +149,10 @@ def clip_providers(
         return Provider(name, kind, call=call, outputs=lambda r: r, bytes_moved=nbytes, note=note,
                         min_warmup=min_warmup)  # fmt: skip
 
-    usable = _backend.available_backends("cpu")
     out = []
-    for backend in ("cpu", "triton"):
-        if backend == "triton":
-            out.append(Provider("triton", "dpkernels", skip=TRITON_SKIP))
-        elif backend not in usable:
-            out.append(Provider(backend, "dpkernels", skip=_backend._why_unavailable(backend, "cpu")))
+    for backend, skip in clip_backends(grads[0].device.type):
+        if skip is not None:
+            out.append(Provider(backend, "dpkernels", skip=skip))
         else:
             call = lambda b=backend: dpkernels.clip_and_accumulate(grads, max_grad_norm, backend=b)
             out.append(timed(backend, "dpkernels", call, "dpkernels.clip_and_accumulate"))
@@ -179,14 +194,22 @@ def _walk(nodes) -> Iterator:
         yield from _walk(n.children)
 
 
-def peak_extra_memory(fn: Callable[[], object]) -> tuple[int | None, int | None, object]:
-    """``(peak, retained, result)`` of ``fn()``: bytes allocated on top of what existed before.
+def peak_extra_memory(fn: Callable[[], object], device: str = "cpu") -> tuple[int | None, int | None, object]:
+    """``(peak, retained, result)`` of ``fn()``: bytes allocated on ``device`` on top of what existed before.
 
-    Runs ``fn`` under ``torch.profiler`` with ``profile_memory=True`` and replays its
+    On CPU, runs ``fn`` under ``torch.profiler`` with ``profile_memory=True`` and replays its
     allocation events (c10 CPU allocator: every ``at::empty``, in Python, C++ ops and compiled
     code) in time order. ``peak`` is the maximum of the running sum, ``retained`` its final
-    value (the outputs). ``None`` when the profiler's event tree is unavailable.
+    value (the outputs). ``None`` when the profiler's event tree is unavailable. On ``cuda``,
+    the caching allocator's own counters (every tensor allocation on the device) say the same.
     """
+    if device == "cuda":
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before, result
+
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -237,14 +260,14 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         # previous one only in B recompiles everything with a symbolic B, and its numbers would
         # depend on which shapes ran before it. (Inductor's on-disk cache still applies.)
         torch._dynamo.reset()
-    grads, C = make_grad_samples(shape)
+    grads, C = make_grad_samples(shape, device=cfg.device)
     advance("float64 reference")
     ref_sums, ref_norms = float64_reference(grads, C)
     gc.collect()
     advance("timing")
 
     providers = clip_providers(shape, grads, C, compile_skip=cfg.compile_skip)
-    bw = bandwidth_providers(shape.grad_bytes)
+    bw = bandwidth_providers(shape.grad_bytes, cfg.device)
     res, other_cores = time_providers(providers + bw, cfg, on_call=lambda p, phase: advance(f"{p.name} {phase}"))
     timed = [p for p in providers + bw if p.skip is None]
     moved = {p.name: p.bytes_moved for p in timed}
@@ -279,7 +302,7 @@ def bench_shape(shape: Shape, cfg: BenchConfig, progress=None, task=None) -> dic
         row = rows[p.name]
         p.prepare()
         try:
-            peak, retained, result = peak_extra_memory(p.call)
+            peak, retained, result = peak_extra_memory(p.call, cfg.device)
             sums, norms = p.outputs(result)
         except Exception as exc:  # keep its timing; say why memory and error are missing
             row["memory_error_failed"] = f"{type(exc).__name__}: {exc}"
@@ -373,13 +396,15 @@ def shape_table(rec: dict):
     return t
 
 
-def target_rows(shapes: Sequence[dict]) -> list[dict]:
-    """The issue's CPU target per shape: cpu backend >= 80% of read bandwidth, and its speedup."""
+def target_rows(shapes: Sequence[dict], device: str = "cpu") -> list[dict]:
+    """The issue's CPU target per shape: the device's first native backend (cpu, or cuda) >= 80%
+    of read bandwidth, and its speedup."""
+    backend = NATIVE_BACKENDS[device][0]
     out = []
     for rec in shapes:
-        row = next((r for r in rec["providers"] if r["name"] == "cpu"), None)
+        row = next((r for r in rec["providers"] if r["name"] == backend), None)
         if row is None or row["status"] != "ok":
-            out.append({"shape": rec["name"], "status": "cpu backend not run"})
+            out.append({"shape": rec["name"], "status": f"{backend} backend not run"})
             continue
         out.append(
             {
@@ -395,11 +420,11 @@ def target_rows(shapes: Sequence[dict]) -> list[dict]:
     return out
 
 
-def targets_table(rows: Sequence[dict]):
+def targets_table(rows: Sequence[dict], device: str = "cpu"):
     from rich.table import Table
 
     t = Table(
-        title=f"Target: cpu backend >= {100 * READ_TARGET:.0f}% of same-run read bandwidth",
+        title=f"Target: {NATIVE_BACKENDS[device][0]} backend >= {100 * READ_TARGET:.0f}% of same-run read bandwidth",
         title_justify="left",
     )
     for col in ("shape", "B", "% read BW", "met", "× Opacus", "peak ÷ B·D·4", "peak ÷ (B+D)·4"):
@@ -425,6 +450,6 @@ def expected_steps(cfg: BenchConfig) -> int:
     import importlib.util
 
     n_clip = 1 + int(cfg.compile_skip is None)  # the eager and the compiled reference
-    n_clip += int("cpu" in _backend.available_backends("cpu"))
+    n_clip += sum(skip is None for _, skip in clip_backends(cfg.device))
     n_clip += int(importlib.util.find_spec("opacus") is not None)
     return 2 + (n_clip + 2) * (cfg.warmup + cfg.repeats) + n_clip

@@ -15,6 +15,9 @@ same-run baselines, the cores other processes kept busy), on two kinds of work:
   fp32 write of ``D``. The error column compares the cpu backend with the reference backend on the
   same seed (Opacus's noise comes from another generator, so it has none). Targets: >= 1.5x
   Opacus on the large MLP, >= 3x on the transformer-shaped lists.
+
+On ``--device cuda`` both run on CUDA tensors, with the ``cuda`` and ``triton`` backends in place
+of ``cpu`` (each with its error against the reference; the targets then apply to ``cuda``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import torch
 
 import dpkernels
 
-from .. import _backend
 from ..noise import RNGS
 from . import _report as report
 from ._timing import (
+    NATIVE_BACKENDS,
     SEED,
     SIGMA,
     BenchConfig,
@@ -40,6 +43,7 @@ from ._timing import (
     reset_opacus_grads,
     summary_stats,
     time_providers,
+    timed_backends,
 )
 from .shapes import Shape, make_grad_samples
 
@@ -48,17 +52,18 @@ NOISE_TARGET = 4.0  # Philox vs torch.normal, D >= 4 M (issue text)
 PRIVATIZE_TARGETS = {"mlp": 1.5, "transformer": 3.0, "small-b8": 3.0, "small-b32": 3.0}
 
 
-def generator_providers(numel: int) -> list[Provider]:
-    """``numel`` standard normals from every generator, and a same-size copy for scale."""
+def generator_providers(numel: int, device: str = "cpu") -> list[Provider]:
+    """``numel`` standard normals on ``device`` from every generator of every timed backend, and a
+    same-size copy for scale."""
     out = []
-    for rng in RNGS:
-        if "cpu" in _backend.available_backends("cpu"):
+    for backend in timed_backends(device):
+        for rng in RNGS:
             out.append(
                 Provider(
-                    f"cpu {rng}",
+                    f"{backend} {rng}",
                     "dpkernels",
-                    call=lambda r=rng: dpkernels.gaussian_noise(
-                        numel, std=1.0, seed=SEED, step=1, rng=r, backend="cpu"
+                    call=lambda b=backend, r=rng: dpkernels.gaussian_noise(
+                        numel, std=1.0, seed=SEED, step=1, rng=r, device=device, backend=b
                     ),
                     bytes_moved=4 * numel,
                     note=f"dpkernels.gaussian_noise(rng={rng!r})",
@@ -68,23 +73,26 @@ def generator_providers(numel: int) -> list[Provider]:
         Provider(
             "torch.normal",
             "baseline",
-            call=lambda: torch.normal(0.0, 1.0, size=(numel,)),
+            call=lambda: torch.normal(0.0, 1.0, size=(numel,), device=device),
             bytes_moved=4 * numel,
             note="what Opacus's add_noise calls",
         )
     )
-    buf = torch.empty(numel)
+    buf = torch.empty(numel, device=device)
     out.append(Provider("normal_", "baseline", call=buf.normal_, bytes_moved=4 * numel, note="Tensor.normal_"))
-    out.append(copy_provider(torch.ones(numel), "D-element copy"))
+    out.append(copy_provider(torch.ones(numel, device=device), "D-element copy"))
     return out
 
 
 def bench_generator(cfg: BenchConfig, numel: int = NOISE_NUMEL, on_call=lambda p, phase: None) -> dict:
-    providers = generator_providers(numel)
+    providers = generator_providers(numel, cfg.device)
     res, other = time_providers(providers, cfg, on_call)
     rows = []
     base = summary_stats(res["torch.normal"]["times_s"])["median_s"]
     for p in providers:
+        if p.skip is not None:  # its warm-up failed (time_round_robin says why)
+            rows.append({"name": p.name, "kind": p.kind, "status": "skipped", "reason": p.skip})
+            continue
         st = summary_stats(res[p.name]["times_s"])
         rows.append(
             {
@@ -98,12 +106,13 @@ def bench_generator(cfg: BenchConfig, numel: int = NOISE_NUMEL, on_call=lambda p
                 "speedup_vs_torch_normal": base / st["median_s"],
             }
         )
-    philox = next((r["speedup_vs_torch_normal"] for r in rows if r["name"] == "cpu philox"), None)
+    target = f"{NATIVE_BACKENDS[cfg.device][0]} philox"
+    philox = next((r.get("speedup_vs_torch_normal") for r in rows if r["name"] == target), None)
     return {
         "numel": numel,
         "providers": rows,
         "other_cpu_cores_during_timing": other,
-        "target": report.target(f"cpu philox >= {NOISE_TARGET:g}x torch.normal", philox, NOISE_TARGET),
+        "target": report.target(f"{target} >= {NOISE_TARGET:g}x torch.normal", philox, NOISE_TARGET),
     }
 
 
@@ -116,6 +125,7 @@ def _opacus_private_provider(shape: Shape, grads: list, C: float, nbytes: int) -
         noise_multiplier=SIGMA,
         max_grad_norm=C,
         expected_batch_size=shape.batch_size,
+        device=grads[0].device.type,
     )
 
     def call() -> None:
@@ -140,16 +150,17 @@ def _privatize(shape: Shape, grads: list, C: float, backend: str):
 
 
 def privatize_providers(shape: Shape, grads: list, C: float) -> list[Provider]:
+    """Every timed backend for ``grads``' device, the reference backend and Opacus."""
+
     def ours(backend: str):
         return _privatize(shape, grads, C, backend)
 
     nbytes = 2 * shape.grad_bytes + 4 * shape.n_params
 
-    out = []
-    if "cpu" in _backend.available_backends("cpu"):
-        out.append(
-            Provider("cpu", "dpkernels", call=lambda: ours("cpu"), bytes_moved=nbytes, note="dpkernels.privatize")
-        )
+    out = [
+        Provider(b, "dpkernels", call=lambda b=b: ours(b), bytes_moved=nbytes, note="dpkernels.privatize")
+        for b in timed_backends(grads[0].device.type)
+    ]
     out.append(
         Provider("reference", "baseline", call=lambda: ours("reference"), bytes_moved=nbytes, note="reference backend")
     )
@@ -158,9 +169,9 @@ def privatize_providers(shape: Shape, grads: list, C: float) -> list[Provider]:
 
 
 def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: None) -> dict:
-    grads, C = make_grad_samples(shape)
+    grads, C = make_grad_samples(shape, device=cfg.device)
     providers = privatize_providers(shape, grads, C)
-    bw = bandwidth_providers(shape.grad_bytes)
+    bw = bandwidth_providers(shape.grad_bytes, cfg.device)
     res, other = time_providers(providers + bw, cfg, on_call)
     rows = report.result_rows(providers + bw, res)
     for p in providers + bw:
@@ -169,14 +180,16 @@ def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
     del bw
     report.add_pct_of_bandwidth(rows, ("read", "copy"))
     report.add_speedup_vs_opacus(rows.values())
-    if "cpu" in rows and rows["cpu"]["status"] == "ok":
-        got, want = _privatize(shape, grads, C, "cpu"), _privatize(shape, grads, C, "reference")
-        rows["cpu"]["max_abs_err_vs_reference"] = max(
+    checked = [p.name for p in providers if p.kind == "dpkernels" and p.skip is None]
+    want = _privatize(shape, grads, C, "reference") if checked else []
+    for backend in checked:  # same seed: every backend should give the reference's result
+        got = _privatize(shape, grads, C, backend)
+        rows[backend]["max_abs_err_vs_reference"] = max(
             float((a - b).abs().max()) for a, b in zip(got, want, strict=True)
         )
-    del providers, grads
+    del providers, grads, want
     gc.collect()
-    cpu = rows.get("cpu", {})
+    backend = NATIVE_BACKENDS[cfg.device][0]
     threshold = PRIVATIZE_TARGETS.get(shape.name)
     return {
         **report.shape_fields(shape),
@@ -184,13 +197,15 @@ def bench_privatize(shape: Shape, cfg: BenchConfig, on_call=lambda p, phase: Non
         "bytes_counted": "2 reads of the per-sample gradients + 1 fp32 write of D",
         "providers": list(rows.values()),
         "other_cpu_cores_during_timing": other,
-        "target": report.target(f"cpu >= {threshold:g}x Opacus", cpu.get("speedup_vs_opacus"), threshold),
+        "target": report.target(
+            f"{backend} >= {threshold:g}x Opacus", rows.get(backend, {}).get("speedup_vs_opacus"), threshold
+        ),
     }
 
 
-def generator_table(rec: dict):
+def generator_table(rec: dict, device: str = "cpu"):
     return report.provider_table(
-        f"Gaussian generator: {rec['numel'] / 1e6:.1f} M fp32 normals (cpu, side by side)", rec,
+        f"Gaussian generator: {rec['numel'] / 1e6:.1f} M fp32 normals ({device}, side by side)", rec,
         {"Gnormals/s": lambda r: f"{r['gnormals_per_s']:.2f}",
          "× torch.normal": lambda r: f"{r['speedup_vs_torch_normal']:.2f}×"},
     )  # fmt: skip

@@ -8,6 +8,7 @@ The sections are :mod:`dpkernels.bench.clip` (``clip``), :mod:`dpkernels.bench.n
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,12 +25,21 @@ import dpkernels
 
 from .. import _backend
 from . import clip, noise, step, train_step
-from ._timing import BenchConfig
+from ._timing import BenchConfig, timed_backends
 from .shapes import Shape, get_shape
 
 
-def machine_info() -> dict:
-    """What the numbers depend on: CPU, threads, memory, library versions, relevant env."""
+def _version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """What the numbers depend on: CPU, threads, memory, library versions, relevant env; on
+    ``cuda`` also the GPU, the CUDA version torch was built with and Triton's version."""
 
     def read(path: str) -> str:
         try:
@@ -46,13 +56,8 @@ def machine_info() -> dict:
         "dpkernels": dpkernels.__version__,
     }
     for mod in ("opacus", "rich"):
-        try:
-            from importlib.metadata import version
-
-            versions[mod] = version(mod)
-        except Exception:
-            versions[mod] = None
-    return {
+        versions[mod] = _version(mod)
+    info = {
         "cpu_model": model.group(1).strip() if model else platform.processor(),
         "cpu_count": os.cpu_count(),
         "l3_cache": read("/sys/devices/system/cpu/cpu0/cache/index3/size").strip() or None,
@@ -61,13 +66,24 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "versions": versions,
-        "backends_available": _backend.available_backends("cpu"),
+        "backends_available": _backend.available_backends(device),
         "env": {
             k: os.environ[k]
             for k in ("DPKERNELS_POISON_OUTPUTS", "TRITON_INTERPRET", "OMP_NUM_THREADS")
             if k in os.environ
         },
     }
+    if device == "cuda":
+        versions.update(cuda=torch.version.cuda, triton=_version("triton"))
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = {
+            "name": torch.cuda.get_device_name(),
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": props.total_memory / 2**30,
+            "l2_cache_mib": props.L2_cache_size / 2**20,
+            "multiprocessors": props.multi_processor_count,
+        }
+    return info
 
 
 def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
@@ -77,11 +93,11 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
         return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
 
     if "noise" in cfg.sections:
-        n = len(noise.generator_providers(0)) * (cfg.warmup + cfg.repeats)
+        n = len(noise.generator_providers(0, cfg.device)) * (cfg.warmup + cfg.repeats)
         task = progress.add_task("generator", total=n)
         record["noise"] = noise.bench_generator(cfg, on_call=ticker(task, "generator"))
         progress.update(task, description="generator: done", completed=n)
-        progress.console.print(noise.generator_table(record["noise"]))
+        progress.console.print(noise.generator_table(record["noise"], cfg.device))
 
     def per_item(key: str, label: str, items, calls_per_item: int, bench, table) -> None:
         """One bench call and table per shape (or model), under one progress bar."""
@@ -94,13 +110,14 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
             progress.console.print(table(rec))
         progress.update(task, description=f"{label}: done", completed=n)
 
-    if "privatize" in cfg.sections:
-        per_item("privatize", "privatize", shapes, 5, noise.bench_privatize, noise.privatize_table)
+    n_native = len(timed_backends(cfg.device))
+    if "privatize" in cfg.sections:  # the native backends, reference, Opacus, copy and read
+        per_item("privatize", "privatize", shapes, n_native + 4, noise.bench_privatize, noise.privatize_table)
     if "step" in cfg.sections:
-        n = (len(step.STEP_CONFIGS) + 3 + 2 * len(shapes)) * (cfg.warmup + cfg.repeats)
+        n = step.expected_providers(cfg.device, len(shapes)) * (cfg.warmup + cfg.repeats)
         task = progress.add_task("step", total=n)
         record["step"] = step.bench_steps(cfg, on_call=ticker(task, "step"))
-        progress.console.print(step.steps_table(record["step"]))
+        progress.console.print(step.steps_table(record["step"], cfg.device))
         record["full_step"] = []
         for shape in shapes:
             rec = step.bench_full_step(shape, cfg, on_call=ticker(task, f"full step {shape.name}"))
@@ -109,7 +126,8 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
         progress.update(task, description="step: done", completed=n)
     if "train" in cfg.sections:
         models = train_step.models(cfg.quick)
-        per_item("train_step", "train", models, 3, train_step.bench_train_step, train_step.train_step_table)
+        # non-private, Opacus, and Opacus accelerated on each native backend
+        per_item("train_step", "train", models, n_native + 2, train_step.bench_train_step, train_step.train_step_table)
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
@@ -139,10 +157,14 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
         "command": sys.argv,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-        "machine": machine_info(),
+        "machine": machine_info(cfg.device),
         "method": clip.__doc__,
         "shapes": [],
     }
+    if cfg.device == "cuda":
+        gpu = record["machine"]["gpu"]
+        console.print(f"CUDA tensors on {gpu['name']} (sm_{gpu['capability'].replace('.', '')}), "
+                      f"backends {', '.join(timed_backends('cuda')) or 'none'}")  # fmt: skip
     per_shape = clip.expected_steps(cfg)
     with Progress(
         TextColumn("{task.description}"),
@@ -161,8 +183,8 @@ def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=No
             progress.update(task, description="clip: done", completed=progress.tasks[task].total)
         _run_other_sections(cfg, shapes, record, progress)
     if "clip" in cfg.sections:
-        record["targets"] = clip.target_rows(record["shapes"])
-        console.print(clip.targets_table(record["targets"]))
+        record["targets"] = clip.target_rows(record["shapes"], cfg.device)
+        console.print(clip.targets_table(record["targets"], cfg.device))
     record["wall_s"] = time.perf_counter() - t_start
     record["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if json_path is not None:

@@ -91,12 +91,13 @@ def get_shape(name: str, quick: bool = False) -> Shape:
     return SHAPES[name](quick)
 
 
-def make_grad_samples(shape: Shape, seed: int = 0) -> tuple[list[Tensor], float]:
-    """Per-sample gradients ``[B, *param_shape]`` (fp32, randn) and a ``max_grad_norm``.
+def make_grad_samples(shape: Shape, seed: int = 0, device: str = "cpu") -> tuple[list[Tensor], float]:
+    """Per-sample gradients ``[B, *param_shape]`` (fp32, randn) on ``device`` and a ``max_grad_norm``.
 
     Sample ``i`` is scaled by a factor spread over [0.5, 1.5], so its norm is about
     ``factor · sqrt(D)``; with ``C = sqrt(D)`` about half the samples are clipped and half are
-    not, which exercises both branches of ``min(1, C / n)``.
+    not, which exercises both branches of ``min(1, C / n)``. Drawn on the CPU (one tensor at a
+    time, then moved), so every device times the same values.
     """
     gen = torch.Generator().manual_seed(seed)
     B = shape.batch_size
@@ -104,5 +105,5 @@ def make_grad_samples(shape: Shape, seed: int = 0) -> tuple[list[Tensor], float]
     grads = []
     for s in shape.param_shapes:
         g = torch.randn((B, *s), generator=gen)
-        grads.append(g.mul_(factor.view(B, *([1] * len(s)))))
+        grads.append(g.mul_(factor.view(B, *([1] * len(s)))).to(device))
     return grads, math.sqrt(shape.n_params)

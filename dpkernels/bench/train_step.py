@@ -10,7 +10,9 @@ C = 1:
 - **opacus**: the same on Opacus's ``GradSampleModule`` (hooks: per-sample gradients in backward)
   with ``DPOptimizer(Adam(fused=True))`` (clip_and_accumulate, add_noise, scale_grad, step);
 - **opacus + dpkernels**: the same Opacus objects after
-  :func:`dpkernels.integrations.opacus.accelerate` on the cpu backend (the drop-in).
+  :func:`dpkernels.integrations.opacus.accelerate` on the cpu backend (the drop-in); on
+  ``--device cuda`` (model, batch and optimizers on the GPU) one such provider per backend,
+  ``cuda`` and ``triton``.
 
 What differs between the last two is only the optimizer step; forward and backward, including
 Opacus's per-sample gradient hooks, are the same code, so the ratio shows what the drop-in buys
@@ -30,7 +32,7 @@ from torch import nn
 
 from .. import _backend
 from . import _report as report
-from ._timing import SEED, BenchConfig, Provider, opacus_missing, time_providers
+from ._timing import NATIVE_BACKENDS, SEED, BenchConfig, Provider, opacus_missing, per_backend_name, time_providers
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,11 @@ def models(quick: bool = False) -> list[TrainModel]:
     return [MODELS["cnn"]] if quick else list(MODELS.values())
 
 
-def _providers(m: TrainModel) -> list[Provider]:
-    torch.manual_seed(SEED)
-    base = m.build()
-    x = torch.randn(m.batch_size, *m.input_shape)
-    y = torch.randint(0, m.n_classes, (m.batch_size,))
+def _providers(m: TrainModel, device: str) -> list[Provider]:
+    torch.manual_seed(SEED)  # the same weights and batch on every device: drawn on the CPU, then moved
+    base = m.build().to(device)
+    x = torch.randn(m.batch_size, *m.input_shape).to(device)
+    y = torch.randint(0, m.n_classes, (m.batch_size,)).to(device)
     loss_fn = nn.CrossEntropyLoss()
 
     def step_fn(module, opt):
@@ -95,26 +97,30 @@ def _providers(m: TrainModel) -> list[Provider]:
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
-    def private(accelerated: bool):
+    def private(backend: str | None):
+        """The Opacus step, accelerated on ``backend`` unless None."""
         module = GradSampleModule(copy.deepcopy(base))
         opt = DPOptimizer(torch.optim.Adam(module.parameters(), lr=1e-3, fused=True),
                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=m.batch_size)  # fmt: skip
-        if accelerated:
+        if backend is not None:
             from ..integrations.opacus import accelerate
 
-            accelerate(opt, backend="cpu", seed=SEED)
+            accelerate(opt, backend=backend, seed=SEED)
         return step_fn(module, opt)
 
-    out.append(Provider("opacus", "baseline", call=private(False), note="GradSampleModule + DPOptimizer(Adam)"))
-    if "cpu" in _backend.available_backends("cpu"):
-        out.append(Provider("opacus + dpkernels", "dpkernels", call=private(True), note="the same, accelerate(opt)"))
-    else:
-        out.append(Provider("opacus + dpkernels", "dpkernels", skip=_backend._why_unavailable("cpu", "cpu")))
+    out.append(Provider("opacus", "baseline", call=private(None), note="GradSampleModule + DPOptimizer(Adam)"))
+    usable = _backend.available_backends(device)
+    for b in NATIVE_BACKENDS[device]:
+        name = per_backend_name("opacus + dpkernels", b)
+        if b in usable:
+            out.append(Provider(name, "dpkernels", call=private(b), note="the same, accelerate(opt)"))
+        else:
+            out.append(Provider(name, "dpkernels", skip=_backend._why_unavailable(b, device)))
     return out
 
 
 def bench_train_step(model: TrainModel, cfg: BenchConfig, on_call=lambda p, phase: None) -> dict:
-    providers = _providers(model)
+    providers = _providers(model, cfg.device)
     with warnings.catch_warnings():
         # Opacus's hooks note that the input needs no gradient: true, and nothing to act on.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
