@@ -189,27 +189,44 @@ class _LinearRule(_WrappedRule):
         return _LinearFn.apply(x, m.weight, m.bias, self.rec, bk.fid)
 
     def operands(self, calls):
-        """``(A [B, T, d_in], G [B, T, d_out])``, the calls concatenated along ``T``."""
-        a = torch.cat([_positions(c.inputs[0]) for c in calls], 1)
-        g = torch.cat([_positions(c.scaled_grad()) for c in calls], 1)
+        """``(A [B, T, d_in], G [B, T, d_out], α)``: the calls concatenated along ``T``, ``G`` unscaled
+        when every call has the same factor ``α`` (returned), else scaled per call (``α = 1``)."""
+        a = _cat([_positions(c.inputs[0]) for c in calls])
+        g, alpha = _cat_grads(calls)
         dt = torch.promote_types(a.dtype, g.dtype)
-        return a.to(dt), g.to(dt)
+        return a.to(dt), g.to(dt), alpha
 
     def norms(self, calls, aux, backend):
         m = self.module
-        a, g = self.operands(calls)
+        a, g, alpha = self.operands(calls)
         out = {}
         if m.weight.requires_grad:
-            out[m.weight] = linear_sumsq(a, g, scale=aux.scale(m.weight), shift=aux.shift(m.weight), backend=backend)
-        mat = {m.bias: g.sum(1)} if m.bias is not None and m.bias.requires_grad else {}
+            shift = aux.shift(m.weight)
+            if shift is not None and alpha != 1.0:  # ‖S ⊙ (αg − M)‖ is not homogeneous in α
+                g, alpha = g * alpha, 1.0
+            sq = linear_sumsq(a, g, scale=aux.scale(m.weight), shift=shift, backend=backend)
+            out[m.weight] = sq * (alpha * alpha) if alpha != 1.0 else sq
+        mat = {m.bias: g.sum(1) * alpha} if m.bias is not None and m.bias.requires_grad else {}
         return out, mat
 
     def sums(self, calls, weights, backend):
         m = self.module
         if not m.weight.requires_grad:
             return {}
-        a, g = self.operands(calls)
-        return {m.weight: linear_weighted_sum(a, g, weights[m.weight], backend=backend)}
+        a, g, alpha = self.operands(calls)
+        return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, backend=backend)}
+
+
+def _cat(xs: list[Tensor]) -> Tensor:
+    """Concatenate along ``T`` (dimension 1); one tensor is returned as it is."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+
+
+def _cat_grads(calls) -> tuple[Tensor, float]:
+    alphas = {c.alpha for c in calls}
+    if len(alphas) == 1:
+        return _cat([_positions(c.grad) for c in calls]), alphas.pop()
+    return _cat([_positions(c.scaled_grad()) for c in calls]), 1.0
 
 
 class _Conv2dRule(_WrappedRule):
@@ -280,22 +297,25 @@ class _EmbeddingRule(_WrappedRule):
         return _EmbeddingFn.apply(ids, m.weight, m.padding_idx, self.rec, bk.fid)
 
     def operands(self, calls):
-        ids = torch.cat([_positions(c.inputs[0][..., None])[..., 0] for c in calls], 1)
-        g = torch.cat([_positions(c.scaled_grad()) for c in calls], 1)
-        return ids, g
+        ids = _cat([_positions(c.inputs[0][..., None])[..., 0] for c in calls])
+        g, alpha = _cat_grads(calls)
+        return ids, g, alpha
 
     def norms(self, calls, aux, backend):
         m = self.module
-        ids, g = self.operands(calls)
+        ids, g, alpha = self.operands(calls)
         w = m.weight
-        sq = embedding_sumsq(ids, g, m.num_embeddings, padding_idx=m.padding_idx, scale=aux.scale(w),
-                             shift=aux.shift(w), backend=backend)  # fmt: skip
-        return {w: sq}, {}
+        shift = aux.shift(w)
+        if shift is not None and alpha != 1.0:
+            g, alpha = g * alpha, 1.0
+        sq = embedding_sumsq(ids, g, m.num_embeddings, padding_idx=m.padding_idx, scale=aux.scale(w), shift=shift,
+                             backend=backend)  # fmt: skip
+        return {w: sq * (alpha * alpha) if alpha != 1.0 else sq}, {}
 
     def sums(self, calls, weights, backend):
         m = self.module
-        ids, g = self.operands(calls)
-        s = embedding_weighted_sum(ids, g, weights[m.weight], m.num_embeddings, padding_idx=m.padding_idx,
+        ids, g, alpha = self.operands(calls)
+        s = embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, padding_idx=m.padding_idx,
                                    backend=backend)  # fmt: skip
         return {m.weight: s}
 
@@ -594,7 +614,7 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
     norms, bad = ref_clip.norms_of_sumsq(sumsq, per_layer, nonfinite, norm_scale)
     factors = clip.clip_factors(norms, C if per_layer else C[0], mode, r)
     w = ref_clip.weights_of_factors(factors, bad, L, torch.float32)
-    sums = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in params]
+    sums: list[Tensor | None] = [None] * L
     start = 0
     for mb, mat in zip(mbs, mats, strict=True):
         B = _batch_of(mb)
@@ -605,18 +625,26 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
         per_param = _ParamWeights(wf, index)
         for rule, calls in mb.items():
             for p, s in rule.sums(calls, per_param, backend).items():
-                sums[index[id(p)]] += s.float()
+                _add(sums, index[id(p)], s)
         if mat:
             ps = list(mat)
             idx = [index[id(p)] for p in ps]
             for p, s in zip(ps, clip.weighted_sum([[mat[p].contiguous() for p in ps]], wf[:, idx].contiguous(),
                                                   [1.0]), strict=True):  # fmt: skip
-                sums[index[id(p)]] += s.float()
-    for j, s in enumerate(sums):
-        if not bool(torch.isfinite(s).all()):
-            raise ValueError(f"the clipped sum of parameter {j} overflows float32")
-    dtype = torch.float32
-    return sums, norms.to(dtype), w
+                _add(sums, index[id(p)], s)
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=device) if s is None else s.view(p.shape)
+            for s, p in zip(sums, params, strict=True)]  # fmt: skip
+    # max |S| per parameter in one pass: inf or NaN iff the sum overflowed (the weights are finite)
+    peaks = torch.stack(torch._foreach_norm(sums, float("inf"))) if sums else torch.zeros(0)
+    if not bool(torch.isfinite(peaks).all()):
+        bad_p = torch.nonzero(~torch.isfinite(peaks)).flatten().tolist()
+        raise ValueError(f"the clipped sum of parameter(s) {bad_p} overflows float32")
+    return sums, norms.to(torch.float32), w
+
+
+def _add(sums: list, j: int, s: Tensor) -> None:
+    s = s.float()
+    sums[j] = s if sums[j] is None else sums[j] + s
 
 
 def _pick(xs, idx):

@@ -10,7 +10,10 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    128-bit vectors (and load with them when adding in place). The filter kernel (linear_filter_)
    must use no local memory, and its aligned variants must load and store 128 bits wide; so must the fused
    optimizer step kernel (stores: in its fp32-parameter variants), compiled with the options its launcher
-   passes (no FMA contraction). Registers and spills come from
+   passes (no FMA contraction). The BK linear-layer norm kernel (``triton_kernels/layers.py``, its
+   launch configs and pipeline depth) must use no local memory, and its variants whose rows are
+   16-byte aligned must load 128 bits wide (its pipelined tile loads are 16-byte ``cp.async``
+   copies into shared memory, counted as 128-bit loads). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
    build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
@@ -67,10 +70,13 @@ DEFAULT_ARCHS = BUILD.CUDA_ARCHS
 STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
 NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
 FILTER_KERNELS = ("_filter_kernel", "_step_kernel")
+LAYER_KERNELS = ("_linear_sumsq_kernel",)
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
 _ST_RE = re.compile(r"\bst\.global[\w.:]*")
+# A 16-byte asynchronous global-to-shared copy (the software-pipelined loads feeding tl.dot).
+_CP_ASYNC_16_RE = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b")
 _WIDE = (".v4.b32", ".v4.f32", ".v4.u32", ".v4.s32", ".v2.b64", ".v2.f64", ".v2.u64", ".v2.s64")
 
 
@@ -93,6 +99,9 @@ def _requirements(kernel: str, consts: dict) -> dict:
         aligned = bool(consts.get("ALIGNED"))
         fp32 = consts.get("ELEM") is None or consts["ELEM"].primitive_bitwidth == 32
         return {"loads_128": aligned, "stores_128": aligned and (kernel == "_filter_kernel" or fp32), "no_local": True}
+    if kernel in LAYER_KERNELS:
+        # Rows of a (and of scale/shift) start 16-byte aligned when VEC_IN > 1.
+        return {"loads_128": consts["VEC_IN"] > 1, "stores_128": False, "no_local": True}
     return {"loads_128": False, "stores_128": False, "no_local": False}
 
 
@@ -232,6 +241,41 @@ def _triton_specs():
         )  # fmt: skip
         specs.append((tf._filter_kernel, variant, filter_sig, consts, tf.FILTER_NUM_WARPS))
     specs += _step_specs()
+    specs += _layer_specs()
+    return specs
+
+
+def _layer_specs():
+    """The BK linear-layer norm kernel (triton_kernels/layers.py) with the tile configs its launcher
+    uses on a GPU: fp32 (IEEE FMA dots) and 16-bit (tensor cores), with and without shift+scale,
+    and rows that are not 16-byte aligned (``d_out`` of a vocabulary head; ``d_in`` too)."""
+    import torch
+    import triton.language as tl
+    from dpkernels.triton_kernels import layers as ly
+
+    dtypes = {name: (tl_dtype, ly.LINEAR_BLOCKS[dtype]) for name, tl_dtype, dtype in (
+        ("fp32", tl.float32, torch.float32), ("bf16", tl.bfloat16, torch.bfloat16), ("fp16", tl.float16, torch.float16)
+    )}  # fmt: skip
+    variants = [  # name, dtype, shift+scale, d_in aligned, d_out aligned
+        ("fp32", "fp32", False, True, True),
+        ("fp32 shift+scale", "fp32", True, True, True),
+        ("fp32 shift+scale unaligned", "fp32", True, False, False),
+        ("bf16", "bf16", False, True, True),
+        ("bf16 shift+scale", "bf16", True, True, True),
+        ("bf16 shift+scale d_out unaligned", "bf16", True, True, False),
+        ("fp16 shift+scale", "fp16", True, True, True),
+    ]
+    specs = []
+    for variant, name, ss, in_aligned, out_aligned in variants:
+        elem, blocks = dtypes[name]
+        sig = dict(a_ptr=f"*{name}", g_ptr=f"*{name}", scale_ptr="*fp32", shift_ptr="*fp32", partial_ptr="*fp32")
+        sig.update(T="i32", d_in="i32", d_out="i32", tiles_k="i32", n_tiles="i32", row0="i32")
+        vec = 128 // elem.primitive_bitwidth
+        consts = dict(
+            HAS_SCALE=ss, HAS_SHIFT=ss, BLOCK_O=blocks.BLOCK_O, BLOCK_K=blocks.BLOCK_K, BLOCK_T=blocks.BLOCK_T,
+            VEC_IN=vec if in_aligned else 1, VEC_OUT=vec if out_aligned else 1,
+        )  # fmt: skip
+        specs.append((ly._linear_sumsq_kernel, variant, sig, consts, blocks.num_warps))
     return specs
 
 
@@ -303,13 +347,14 @@ def _triton_worker(archs: list[int]) -> list[dict]:
     """Compile every variant for every arch, in this process (which must not be interpreting)."""
     sys.path.insert(0, str(ROOT))
     import triton
+    from dpkernels.triton_kernels.layers import LINEAR_COMPILE_OPTIONS
     from dpkernels.triton_kernels.optim import STEP_COMPILE_OPTIONS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     ptxas = triton.knobs.nvidia.ptxas.path
     # Launch options besides num_warps, per kernel (the ones its launcher passes).
-    extra_options = {"_step_kernel": STEP_COMPILE_OPTIONS}
+    extra_options = {"_step_kernel": STEP_COMPILE_OPTIONS, "_linear_sumsq_kernel": LINEAR_COMPILE_OPTIONS}
     results = []
     with tempfile.TemporaryDirectory(prefix="dpk_static_") as tmp:
         for fn, variant, sig, consts, num_warps in _triton_specs():
@@ -341,7 +386,7 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 ptx = compiled.asm["ptx"]
                 loads = Counter(_LD_RE.findall(ptx))
                 stores = Counter(_ST_RE.findall(ptx))
-                rec["loads_128"] = sum(c for op, c in loads.items() if _is_128(op))
+                rec["loads_128"] = sum(c for op, c in loads.items() if _is_128(op)) + len(_CP_ASYNC_16_RE.findall(ptx))
                 rec["loads_narrow"] = sum(c for op, c in loads.items() if not _is_128(op))
                 rec["stores_128"] = sum(c for op, c in stores.items() if _is_128(op))
                 rec["load_ops"] = dict(loads)

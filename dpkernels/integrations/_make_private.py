@@ -41,6 +41,11 @@ those accountants do not apply; dp-accounting 0.6.0 (the installed version) has 
 matrix-factorisation accountant for Poisson-sampled participation, so the engine installs
 :class:`CorrelatedNoiseAccountant`, which records the steps and refuses to report ε.
 
+**Book-keeping** (``grad_sample_mode="bk"``): the returned module is a :class:`dpkernels.bk.BKModule`
+(one backward pass keeps each layer's input and output gradient; no per-sample gradient is built)
+and the engine's step clips from it (``step(per_sample=...)``); Opacus still validates the module
+and builds the loader. The clipped sums are those of the per-sample modes to fp32 rounding.
+
 **DP-PMLF** needs, for the current batch, per-sample gradients at the last ``k`` iterates. The
 current set comes from the GradSampleModule; the ``k − 1`` past sets are recomputed by
 :func:`dpkernels.pmlf.pmlf_grad_samples` at ``engine.past_params()``. The optimizer never sees
@@ -48,7 +53,7 @@ the data, so its step takes the batch: ``optimizer.step(batch=(inputs, targets))
 per-sample loss is make_private's ``criterion`` applied to one sample.
 
 Restrictions (each raises ``NotImplementedError`` before Opacus touches the module): flat
-clipping, ``grad_sample_mode`` in ``hooks``/``functorch``, ``loss_reduction="mean"``,
+clipping, ``grad_sample_mode`` in ``hooks``/``functorch``/``bk``, ``loss_reduction="mean"``,
 ``wrap_model=True``, no distributed module, no ``BatchMemoryManager`` (``signal_skip_step``).
 ``noise_generator`` seeds the engine's Philox key (when ``seed`` is not given); a
 ``secure_mode`` privacy engine gets ChaCha20 noise (``rng="chacha20"``).
