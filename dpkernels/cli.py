@@ -22,6 +22,8 @@ import torch
 # whole run (torch.compile included) stays under 2 minutes on a 2-core machine.
 QUICK = {"repeats": 5, "budget_s": 4.0}
 FULL = {"repeats": 9, "budget_s": 20.0}
+# Sections --quick leaves out unless named in --sections: the BK layer microbenchmark (~1 min on 2 cores).
+QUICK_OMITS = ("layers",)
 
 
 def _name_list(what: str, choices):
@@ -87,7 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"timed rounds per provider (default {FULL['repeats']}, --quick {QUICK['repeats']})",
     )
-    _subset_option(bench, "--sections", "section", SECTIONS)
+    bench.add_argument(
+        "--sections",
+        type=_name_list("section", SECTIONS),
+        default=None,
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all; with --quick all but "
+        f"{', '.join(QUICK_OMITS)})",
+    )
     bench.add_argument(
         "--device",
         choices=DEVICES,
@@ -193,7 +202,7 @@ def _compile_skip(args: argparse.Namespace) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench._timing import BenchConfig
+    from .bench._timing import SECTIONS, BenchConfig
     from .bench.runner import run
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -214,7 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         budget_s=preset["budget_s"],
         compile_skip=_compile_skip(args),
-        sections=args.sections,
+        sections=args.sections or [s for s in SECTIONS if not (args.quick and s in QUICK_OMITS)],
         device=args.device,
     )
     run(cfg, json_path=args.json)

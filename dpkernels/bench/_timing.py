@@ -38,8 +38,9 @@ SIGMA = 1.0  # the noise multiplier of the private providers (noise, privatize, 
 #: What ``dpkernels bench`` can run: the clipping pipeline (:mod:`dpkernels.bench.clip`), the
 #: Gaussian generator and the fused private gradient (:mod:`dpkernels.bench.noise`), the fused
 #: optimizer steps and the full DP step (:mod:`dpkernels.bench.step`), a whole training step with
-#: Opacus, accelerated or not, and without privacy (:mod:`dpkernels.bench.train_step`).
-SECTIONS = ("clip", "noise", "privatize", "step", "train")
+#: Opacus, accelerated or not, and without privacy (:mod:`dpkernels.bench.train_step`), and what
+#: book-keeping clipping pays per linear layer against its weight-grad GEMM (:mod:`dpkernels.bench.layers`).
+SECTIONS = ("clip", "noise", "privatize", "step", "train", "layers")
 
 #: Where ``dpkernels bench --device`` builds its inputs and times: CPU tensors, or CUDA tensors.
 DEVICES = ("cpu", "cuda")

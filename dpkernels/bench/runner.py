@@ -2,7 +2,8 @@
 
 The sections are :mod:`dpkernels.bench.clip` (``clip``), :mod:`dpkernels.bench.noise` (``noise``,
 ``privatize``), :mod:`dpkernels.bench.step` (``step``) and :mod:`dpkernels.bench.train_step`
-(``train``); this module imports them, and none of them imports it.
+(``train``) and :mod:`dpkernels.bench.layers` (``layers``); this module imports them, and none of
+them imports it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import dpkernels
 
 from .. import _backend
-from . import clip, noise, step, train_step
+from . import clip, layers, noise, step, train_step
 from ._timing import BenchConfig, timed_backends
 from .shapes import Shape, get_shape
 
@@ -87,7 +88,7 @@ def machine_info(device: str = "cpu") -> dict:
 
 
 def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict, progress) -> None:
-    """The generator, ``privatize``, optimizer-step and training-step sections, one progress bar each."""
+    """The generator, ``privatize``, optimizer-step, training-step and BK layer sections, one progress bar each."""
 
     def ticker(task, label):
         return lambda p, phase: progress.update(task, advance=1, description=f"[bold]{label}[/] {p.name} {phase}")
@@ -128,6 +129,11 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
         models = train_step.models(cfg.quick)
         # non-private, Opacus, and Opacus accelerated on each native backend
         per_item("train_step", "train", models, n_native + 2, train_step.bench_train_step, train_step.train_step_table)
+    if "layers" in cfg.sections:
+        per_item("layers", "layers", layers.layer_shapes(cfg.quick), layers.providers_per_shape(cfg.device),
+                 layers.bench_layer_shape, layers.layer_table)  # fmt: skip
+        record["layers_targets"] = layers.target_rows(record["layers"], cfg.device)
+        progress.console.print(layers.targets_table(record["layers_targets"]))
 
 
 def run(cfg: BenchConfig, json_path: str | os.PathLike | None = None, console=None) -> dict:
