@@ -11,6 +11,9 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
 - :func:`linear_filter_`, the generic fused IIR step; :class:`BLTNoise`, :class:`BandedNoise`
   (correlated noise for DP matrix factorisation, built on it)
 - :mod:`optim`: the fused DP optimizers (DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, DP2, DPPMLF)
+- book-keeping clipping without per-sample gradients: the layer ops :func:`linear_sumsq`,
+  :func:`linear_weighted_sum`, :func:`conv2d_sumsq`, :func:`conv2d_weighted_sum`,
+  :func:`embedding_sumsq`, :func:`embedding_weighted_sum`, and the engine :class:`dpkernels.bk.BKModule`
 """
 
 from ._backend import BACKENDS, available_backends
@@ -21,6 +24,14 @@ from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, p
 # Correlated noise and the generic filter step.
 from .correlated import BandedNoise, BLTNoise
 from .filter import linear_filter_
+from .layers import (
+    conv2d_sumsq,
+    conv2d_weighted_sum,
+    embedding_sumsq,
+    embedding_weighted_sum,
+    linear_sumsq,
+    linear_weighted_sum,
+)
 
 # DP optimizers (dpkernels.optim.DPSGD, DPAdam, ...), fused on every backend but reference, which
 # runs the pure-PyTorch step functions of dpkernels.reference.optim.
@@ -46,5 +57,12 @@ __all__ = [
     "BLTNoise",
     "BandedNoise",
     "linear_filter_",
+    # Book-keeping layer ops.
+    "conv2d_sumsq",
+    "conv2d_weighted_sum",
+    "embedding_sumsq",
+    "embedding_weighted_sum",
+    "linear_sumsq",
+    "linear_weighted_sum",
     "optim",
 ]
