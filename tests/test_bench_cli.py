@@ -4,6 +4,8 @@ Timings here mean nothing (one round, a shared machine); the benchmark itself is
 """
 
 import json
+import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,13 +13,21 @@ import torch
 
 import dpkernels
 from dpkernels import cli
-from dpkernels.bench import _timing
+from dpkernels.bench import _timing, train_step
 from dpkernels.bench._timing import BenchConfig, Provider
+
+
+def _fake_peak_memory(m, names, device="cpu", threads=0, timeout=0.0):
+    """Stands in for the per-provider processes of the train section (tested on their own below)."""
+    return {n: {"skip": "memory process exited 1: boom"} if n == "opacus ghost" else {"peak_mem_mib": 2.0}
+            for n in names}  # fmt: skip
 
 
 @pytest.mark.skipif("cpu" not in dpkernels.available_backends("cpu"), reason="needs the C++ extension")
 def test_bench_sections_write_json(tmp_path, monkeypatch):
     monkeypatch.delenv("DPKERNELS_POISON_OUTPUTS", raising=False)
+    monkeypatch.setitem(train_step.MODELS, "cnn", TINY["cnn"])  # --quick times the cnn only
+    monkeypatch.setattr(train_step, "peak_memory", _fake_peak_memory)
     out = tmp_path / "bench.json"
     argv = ["bench", "--quick", "--sections", "noise,privatize,step,train", "--shapes", "small-b8", "--repeats", "1",
             "--warmup", "1", "--json", str(out)]  # fmt: skip
@@ -34,10 +44,94 @@ def test_bench_sections_write_json(tmp_path, monkeypatch):
     (full,) = rec["full_step"]
     assert {r["name"] for r in full["providers"] if r["status"] == "ok"} >= {"cpu DPAdam"}
     (train,) = rec["train_step"]  # --quick: the small CNN only
-    assert {r["name"] for r in train["providers"] if r["status"] == "ok"} == {
-        "non-private", "opacus", "opacus + dpkernels"
-    }  # fmt: skip
-    assert all(r["median_s"] > 0 for r in train["providers"])
+    rows = {r["name"]: r for r in train["providers"]}
+    bk_ok = _all_timed(rows)
+    assert rows["opacus + dpkernels"]["peak_over_non_private"] == 1.0
+    assert rows["opacus ghost"]["peak_mem_skipped"] == "memory process exited 1: boom"
+    assert "peak_mem_mib" not in rows["opacus ghost"]
+    assert [t["met"] is None for t in train["targets"]] == [not bk_ok] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# The train section on tiny models: every provider, and the peak-memory processes
+# ----------------------------------------------------------------------------------------------
+
+MEMORY_KEYS = ("peak_mem_mib", "setup_mib", "first_step_peak_mib", "held_between_steps_mib")
+TRAIN_PROVIDERS = ["non-private", "opacus hooks", "opacus ghost", "opacus + dpkernels", "dpkernels bk",
+                   "dpkernels bk + STP scale"]  # fmt: skip
+TINY = {
+    "mlp": train_step.TrainModel("mlp", "tiny", 4, "mlp", (8,), kwargs=dict(width=16, depth=3, d_in=8)),
+    "cnn": train_step.TrainModel("cnn", "tiny", 4, "cnn", (3, 8, 8), kwargs=dict(widths=(8,) * 5, groups=4)),
+    "transformer": train_step.TrainModel("transformer", "tiny", 4, "transformer", (8,), vocab=50,
+                                         kwargs=dict(vocab=50, d=16, heads=2, layers=1, seq_len=8)),
+}  # fmt: skip
+
+
+def _all_timed(rows: dict) -> bool:
+    """Every train provider timed, in table order; the BK rows may be skipped with the reason while
+    the native tiled kernel is not built (the cnn's and transformer's layers need it). Whether they ran."""
+    from dpkernels.bench.layers import tiled_missing
+
+    assert list(rows) == TRAIN_PROVIDERS
+    waiting = tiled_missing("cpu") is not None
+    failed = {n: r["reason"] for n, r in rows.items() if r["status"] != "ok"}
+    assert {n: why for n, why in failed.items()
+            if not (waiting and n.startswith("dpkernels bk") and "linear_sumsq_tiled" in why)} == {}  # fmt: skip
+    assert all(r["median_s"] > 0 for r in rows.values() if r["status"] == "ok")
+    return rows["dpkernels bk"]["status"] == "ok" and rows["dpkernels bk + STP scale"]["status"] == "ok"
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Tiny models on one thread (on a loaded machine two OpenMP threads wait for each other at
+    every op, which costs far more than these ops take), no cache flush (timings mean nothing here)."""
+    monkeypatch.delenv("DPKERNELS_POISON_OUTPUTS", raising=False)
+    monkeypatch.setattr(_timing, "flush_caches", lambda device: None)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_train_models_as_specified():
+    assert train_step.MODELS["transformer"].n_params == 2_922_058  # about 3 M, stated in `what`
+    assert "2,922,058 parameters" in train_step.MODELS["transformer"].what
+    assert [m.name for m in train_step.models(quick=True)] == ["cnn"]
+    assert train_step.provider_names("cpu") == TRAIN_PROVIDERS and train_step.n_providers("cpu") == 6
+    assert train_step.provider_names("cuda")[3:5] == ["opacus + dpkernels [cuda]", "opacus + dpkernels [triton]"]
+    m = TINY["transformer"]
+    assert train_step.TrainModel.from_json(m.to_json()) == m  # what the memory process receives
+
+
+@pytest.mark.skipif("cpu" not in dpkernels.available_backends("cpu"), reason="needs the C++ extension")
+@pytest.mark.parametrize("arch", list(TINY))
+def test_train_providers_on_tiny_models(arch, one_thread):
+    m = TINY[arch]
+    rec = train_step.bench_train_step(m, BenchConfig(repeats=1, warmup=1, budget_s=1.0), memory=False)
+    rows = {r["name"]: r for r in rec["providers"]}
+    bk_ok = _all_timed(rows)
+    assert rows["non-private"]["over_non_private"] == 1.0 and rows["opacus hooks"]["speedup_vs_opacus"] == 1.0
+    assert [t["met"] is None for t in rec["targets"]] == [not bk_ok] * 3 + [True]  # memory not measured
+    # The memory measurement itself, in this process (the bench runs it in a fresh one per provider).
+    mem = train_step.measure_peak(m, "dpkernels bk" if bk_ok else "opacus ghost")
+    assert mem["meter"] == "VmHWM" and all(math.isfinite(mem[k]) for k in MEMORY_KEYS)
+
+
+@pytest.mark.skipif("cpu" not in dpkernels.available_backends("cpu"), reason="needs the C++ extension")
+def test_train_peak_memory_processes(one_thread, monkeypatch):
+    # 256-wide layers: each tensor is above glibc's mmap threshold set there, so a step's memory shows
+    m = train_step.TrainModel("mlp", "small", 8, "mlp", (256,), kwargs=dict(width=256, depth=3, d_in=256))
+    (bk,) = train_step.peak_memory(m, ["dpkernels bk"], threads=1).values()
+    # at least its model copy and DPAdam's two state buffers, 3 x 0.5 MiB
+    assert set(bk) == {*MEMORY_KEYS, "meter"} and bk["peak_mem_mib"] > 1.5, bk
+    # a process that fails or hangs leaves the memory skipped, with the reason
+    with pytest.raises(KeyError, match="no provider 'no such provider'"):
+        train_step.measure_peak(m, "no such provider")
+    (late,) = train_step.peak_memory(m, ["non-private"], timeout=0.01).values()
+    assert late == {"skip": "memory process ran past 0.01 s"}
+    monkeypatch.setattr(sys, "executable", "false")
+    (failed,) = train_step.peak_memory(m, ["non-private"]).values()
+    assert failed == {"skip": "memory process exited 1: no output"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,3 +240,50 @@ def test_machine_info_records_the_gpu(monkeypatch):
     assert info["gpu"]["name"] == "NVIDIA H100 80GB HBM3" and info["gpu"]["capability"] == "9.0"
     assert info["versions"]["cuda"] == torch.version.cuda
     assert "triton" in info["versions"]
+
+
+@pytest.mark.skipif("cpu" not in dpkernels.available_backends("cpu"), reason="needs the C++ extension")
+def test_bench_layers_section(tmp_path, monkeypatch):
+    from dpkernels.bench import layers, runner
+    from dpkernels.layers import _pick_method
+
+    # --quick leaves the section out unless named; a plain run and --sections include it
+    seen = []
+    monkeypatch.setattr(runner, "run", lambda cfg, json_path: seen.append(cfg.sections))
+    for argv in (["--quick"], [], ["--quick", "--sections", "layers"]):
+        assert cli.main(["bench", *argv]) == 0
+    assert "layers" not in seen[0] and "layers" in seen[1] and seen[2] == ["layers"]
+    monkeypatch.undo()
+
+    monkeypatch.delenv("DPKERNELS_POISON_OUTPUTS", raising=False)
+    shapes = (layers.LayerShape(4, 1, 16, 16), layers.LayerShape(4, 2, 32, 32), layers.LayerShape(4, 8, 16, 24))
+    monkeypatch.setattr(layers, "LAYER_SHAPES", shapes)  # tiny: t1, gram and tiled picked by auto
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--sections", "layers", "--repeats", "1", "--warmup", "1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    rec = json.loads(out.read_text())
+    assert [r["name"] for r in rec["layers"]] == ["T1-d16", "T2-d32", "T8-d16x24"]
+    assert [r["auto_picks"] for r in rec["layers"]] == ["t1", "gram", "tiled"]
+    tiled_why = layers.tiled_missing("cpu")
+    for shape, r in zip(shapes, rec["layers"], strict=True):
+        rows = {p["name"]: p for p in r["providers"]}
+        assert ("bk t1" in rows) == (shape.T == 1)
+        assert rows["weight-grad GEMM"]["status"] == "ok" and rows["bk gram"]["status"] == "ok"
+        assert rows["bk auto"]["method"] == f"auto → {_pick_method('auto', shape.T, shape.d_out, shape.d_in, False)}"
+        needs_tiled = {"bk tiled", *(n for n in ("bk auto", "bk auto + dense scale") if "tiled" in rows[n]["method"])}
+        for name, p in rows.items():
+            if tiled_why is not None and name in needs_tiled:  # not built yet: skipped with the reason, no crash
+                assert p["status"] == "skipped" and "linear_sumsq_tiled" in p["reason"]
+            else:
+                assert p["status"] == "ok", p
+                assert p["over_gemm"] > 0
+                if p["kind"] == "dpkernels":
+                    assert p["max_rel_err_sumsq"] < 1e-5 and p["max_rel_err_sum"] < 1e-5
+    targets = rec["layers_targets"]
+    assert [t["shape"] for t in targets] == ["T1-d16", "T2-d32", "T8-d16x24"]
+    for t in targets:
+        measured = t["auto_s"] is not None
+        assert (t["auto_within_1_3x_gemm"] is None) == (not measured)
+        if measured:
+            assert t["auto_within_1_3x_gemm"] == (t["auto_over_gemm"] <= 1.3)
+            assert t["auto_within_10pct_of_best"] == (t["auto_over_best_fixed"] <= 1.1)

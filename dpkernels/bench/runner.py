@@ -128,7 +128,14 @@ def _run_other_sections(cfg: BenchConfig, shapes: Sequence[Shape], record: dict,
     if "train" in cfg.sections:
         models = train_step.models(cfg.quick)
         # non-private, Opacus, and Opacus accelerated on each native backend
-        per_item("train_step", "train", models, n_native + 2, train_step.bench_train_step, train_step.train_step_table)
+        per_item(
+            "train_step",
+            "train",
+            models,
+            train_step.n_providers(cfg.device),
+            train_step.bench_train_step,
+            train_step.train_step_table,
+        )
     if "layers" in cfg.sections:
         per_item("layers", "layers", layers.layer_shapes(cfg.quick), layers.providers_per_shape(cfg.device),
                  layers.bench_layer_shape, layers.layer_table)  # fmt: skip
