@@ -89,4 +89,10 @@ TORCH_LIBRARY(dpkernels_C, m) {
       "noise_state, float[] noise_coeffs, float noise_std, int seed, int step, int stream, int offset, "
       "float[] "
       "hyper) -> Tensor");
+
+  // Book-keeping layer norms (dpkernels/layers.py, method "tiled"; math: include/dpkernels/layers.h).
+  // a [B, T, d_in], g [B, T, d_out] (one dtype: float32, float16, bfloat16); scale, shift: None or
+  // float32 [d_out, d_in]. Returns float32 [B]: out[i] = Σ_{o,k} (scale (g_iᵀ a_i - shift))²[o, k],
+  // products and tile sums in fp32, tiles combined in fp64, the per-sample gradient never stored.
+  m.def("linear_sumsq_tiled(Tensor a, Tensor g, Tensor? scale, Tensor? shift) -> Tensor");
 }

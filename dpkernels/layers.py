@@ -219,6 +219,14 @@ class _TritonLayers(_AtenLayers):
         return linear_sumsq_tiled(a, g, scale, shift)
 
 
+if _backend.has_cpu_kernels():
+
+    @torch.library.register_fake("dpkernels_C::linear_sumsq_tiled")
+    def _(a, g, scale, shift):
+        torch._check(a.dim() == 3 and g.dim() == 3, lambda: "linear_sumsq_tiled takes [B, T, d] a and g")
+        return a.new_empty((a.shape[0],), dtype=torch.float32)
+
+
 LAYERS = family(
     "layers",
     ("linear_sumsq", "linear_weighted_sum", "embedding_sumsq", "embedding_weighted_sum"),

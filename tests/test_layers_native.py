@@ -1,0 +1,154 @@
+"""The native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu)
+against the float64 reference ``dpkernels.reference.layers.linear_sumsq``: odd shapes (block and
+chunk edges included), every dtype, with and without scale and shift, determinism, bad input, and
+opcheck with the fake kernel registered in ``dpkernels/layers.py``."""
+
+import pytest
+import torch
+
+import dpkernels  # noqa: F401  (loads dpkernels._C)
+from dpkernels import _backend
+from dpkernels.reference.layers import linear_sumsq
+
+pytestmark = pytest.mark.skipif(
+    not _backend.has_cpu_kernels() or not hasattr(torch.ops.dpkernels_C, "linear_sumsq_tiled"),
+    reason="C++ extension without linear_sumsq_tiled",
+)
+
+
+def _devices():
+    cuda_ok = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "dpkernels_C::linear_sumsq_tiled", "CUDA"
+    )
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok, reason="no CUDA kernel or GPU"))]
+
+
+def _op(a, g, scale=None, shift=None):
+    return torch.ops.dpkernels_C.linear_sumsq_tiled(a, g, scale, shift)
+
+
+# (B, T, d_in, d_out): single elements, odd sizes, more than one CPU block (96 x 128) and CUDA tile
+# (64 x 64) per sample, T = 0, and T past the CPU's 256-position chunk.
+SHAPES = [
+    (1, 1, 1, 1),
+    (1, 4, 16, 16),
+    (3, 5, 7, 13),
+    (2, 33, 65, 70),
+    (4, 16, 128, 96),
+    (2, 3, 131, 197),
+    (3, 0, 5, 9),
+    (2, 300, 40, 20),
+]
+# Relative tolerance against the reference on the same (rounded) inputs: fp32 products and tile
+# sums; 16-bit inputs are exact in fp32, so the same bound would do, with margin.
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+
+
+def _inputs(B, T, d_in, d_out, dtype, device, scale, shift, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, T, d_in, generator=gen).to(dtype)
+    g = torch.randn(B, T, d_out, generator=gen).to(dtype)
+    sc = torch.rand(d_out, d_in, generator=gen) + 0.5 if scale else None
+    sh = 0.3 * torch.randn(d_out, d_in, generator=gen) if shift else None
+    return _to(a, device), _to(g, device), _to(sc, device), _to(sh, device)
+
+
+def _to(t, device):
+    return None if t is None else t.to(device)
+
+
+def _reference(a, g, sc, sh):
+    """The float64 reference on the (rounded) inputs, upcast."""
+    return linear_sumsq(a.float().cpu(), g.float().cpu(), _to(sc, "cpu"), _to(sh, "cpu"))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(shape, dtype, device):
+    for scale in (False, True):
+        for shift in (False, True):
+            a, g, sc, sh = _inputs(*shape, dtype, device, scale, shift)
+            out = _op(a, g, sc, sh)
+            assert out.dtype == torch.float32 and out.shape == (shape[0],) and out.device == a.device
+            assert not out.isnan().any()
+            torch.testing.assert_close(
+                out.cpu().double(),
+                _reference(a, g, sc, sh),
+                rtol=RTOL[dtype],
+                atol=1e-30,
+                msg=lambda m, s=scale, h=shift: f"scale={s} shift={h}: {m}",
+            )
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unaligned_views(dtype, device):
+    """Contiguous views that start one element into their storage (the CUDA kernel's scalar path)."""
+    B, T, d_in, d_out = 2, 9, 24, 40
+
+    def shifted(*shape, dt=dtype):
+        n = torch.Size(shape).numel()
+        return torch.randn(n + 1, generator=gen).to(device=device, dtype=dt)[1:].view(shape)
+
+    gen = torch.Generator().manual_seed(2)
+    a, g = shifted(B, T, d_in), shifted(B, T, d_out)
+    sc, sh = shifted(d_out, d_in, dt=torch.float32), shifted(d_out, d_in, dt=torch.float32)
+    assert a.is_contiguous() and a.storage_offset() == 1
+    torch.testing.assert_close(_op(a, g, sc, sh).cpu().double(), _reference(a, g, sc, sh), rtol=RTOL[dtype], atol=0)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_deterministic(device):
+    a, g, sc, sh = _inputs(5, 40, 200, 150, torch.float32, device, True, True, seed=1)
+    first = _op(a, g, sc, sh)
+    assert torch.equal(first, _op(a, g, sc, sh))
+    if device == "cpu":
+        # Per-(sample, block) partials summed in block order: the thread count does not matter.
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(first, _op(a, g, sc, sh))
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_zero_sized(device):
+    a, g, _, sh = _inputs(0, 3, 4, 5, torch.float32, device, False, True)
+    assert _op(a, g, None, sh).shape == (0,)
+    a, g, _, _ = _inputs(2, 3, 0, 5, torch.float32, device, False, False)
+    assert torch.equal(_op(a, g), torch.zeros(2, device=device))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.randn(2, 3), torch.randn(2, 3, 4), None, None), "a must be 3-D"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 4), None, None), "g must be 3-D"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(3, 3, 5), None, None), "same batch size"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 2, 5), None, None), "same sequence length"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5).half(), None, None), "same dtype"),
+        (lambda: (torch.randn(2, 3, 4).double(), torch.randn(2, 3, 5).double(), None, None), "supported"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.rand(4, 5), None), r"scale must be \[d_out"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5), None, torch.rand(5 * 4)), r"shift must be \[d_out"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.rand(5, 4).double(), None), "must be float32"),
+        (lambda: (torch.randn(2, 3, 4), torch.randn(2, 3, 5), None, torch.rand(4, 5).T), "must be contiguous"),
+        (lambda: (torch.randn(2, 4, 3).transpose(1, 2), torch.randn(2, 3, 5), None, None), "a must be contiguous"),
+    ],
+)
+def test_bad_input(make, match):
+    with pytest.raises(RuntimeError, match=match):
+        _op(*make())
+
+
+def test_opcheck():
+
+    a, g, sc, sh = _inputs(3, 5, 7, 13, torch.float32, "cpu", True, True)
+    op = torch.ops.dpkernels_C.linear_sumsq_tiled.default
+    for args in ((a, g, sc, sh), (a, g, None, None), (a.bfloat16(), g.bfloat16(), None, sh)):
+        # test_aot_dispatch_dynamic needs a backward; the op is not differentiable.
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
