@@ -634,10 +634,12 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
                 _add(sums, index[id(p)], s)
     sums = [torch.zeros(p.shape, dtype=torch.float32, device=device) if s is None else s.view(p.shape)
             for s, p in zip(sums, params, strict=True)]  # fmt: skip
-    # max |S| per parameter in one pass: inf or NaN iff the sum overflowed (the weights are finite)
-    peaks = torch.stack(torch._foreach_norm(sums, float("inf"))) if sums else torch.zeros(0)
+    # min and max of each sum in one vectorised pass: inf or NaN iff the sum overflowed (the
+    # weights are finite)
+    peaks = [torch.stack(torch.aminmax(s)) for s in sums if s.numel()]
+    peaks = torch.stack(peaks) if peaks else torch.zeros(0, 2)
     if not bool(torch.isfinite(peaks).all()):
-        bad_p = torch.nonzero(~torch.isfinite(peaks)).flatten().tolist()
+        bad_p = torch.nonzero(~torch.isfinite(peaks).all(1)).flatten().tolist()
         raise ValueError(f"the clipped sum of parameter(s) {bad_p} overflows float32")
     return sums, norms.to(torch.float32), w
 

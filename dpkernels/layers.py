@@ -51,8 +51,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Gram matrices of at most this many elements per chunk of samples (bounds the [b, T, T] buffers).
 _GRAM_CHUNK_ELEMS = 1 << 24
 # "auto" takes the Gram form when T·(d_in + d_out) <= GRAM_CROSSOVER · d_in·d_out, i.e. when its
-# flops are at most that fraction of the tiled product's (docs/BENCHMARKS.md, "Book-keeping").
-GRAM_CROSSOVER = 0.5
+# flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py (docs/BENCHMARKS.md,
+# "Book-keeping"), least total slowdown over the grid for any value in [0.625, 1).
+GRAM_CROSSOVER = 0.75
 
 
 # --------------------------------------------------------------------------------------------
