@@ -180,6 +180,14 @@ class _WrappedRule(_Rule):
     def has(self, fid: int) -> bool:
         return bool(self.rec.calls.get(fid))
 
+    def prepared(self, calls, *, last: bool = False):
+        """``self.prepare(calls)``, computed once for the norm and the sum stage of one clip (the
+        stages see the same list; ``last`` releases it: im2col patches are large)."""
+        memo = self.__dict__.get("_memo")
+        value = memo[1] if memo is not None and memo[0] is calls else self.prepare(calls)
+        self._memo = None if last else (calls, value)
+        return value
+
 
 class _LinearRule(_WrappedRule):
     def call(self, bk, x):
@@ -188,7 +196,7 @@ class _LinearRule(_WrappedRule):
             return F.linear(x, m.weight, m.bias)
         return _LinearFn.apply(x, m.weight, m.bias, self.rec, bk.fid)
 
-    def operands(self, calls):
+    def prepare(self, calls):
         """``(A [B, T, d_in], G [B, T, d_out], α)``: the calls concatenated along ``T``, ``G`` unscaled
         when every call has the same factor ``α`` (returned), else scaled per call (``α = 1``)."""
         a = _cat([_positions(c.inputs[0]) for c in calls])
@@ -198,7 +206,7 @@ class _LinearRule(_WrappedRule):
 
     def norms(self, calls, aux, backend):
         m = self.module
-        a, g, alpha = self.operands(calls)
+        a, g, alpha = self.prepared(calls)
         out = {}
         if m.weight.requires_grad:
             shift = aux.shift(m.weight)
@@ -213,7 +221,7 @@ class _LinearRule(_WrappedRule):
         m = self.module
         if not m.weight.requires_grad:
             return {}
-        a, g, alpha = self.operands(calls)
+        a, g, alpha = self.prepared(calls, last=True)
         return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, backend=backend)}
 
 
@@ -241,7 +249,7 @@ class _Conv2dRule(_WrappedRule):
             return m._conv_forward(x, m.weight, m.bias)
         return _Conv2dFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
 
-    def groups(self, calls):
+    def prepare(self, calls):
         """Per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
         m = self.module
         stride, padding, dilation, groups = self.conv_args()
@@ -251,7 +259,7 @@ class _Conv2dRule(_WrappedRule):
             )  # fmt: skip
             for c in calls
         ]
-        return [(torch.cat([p[j][0] for p in per_call], 1), torch.cat([p[j][1] for p in per_call], 1))
+        return [(_cat([p[j][0] for p in per_call]).contiguous(), _cat([p[j][1] for p in per_call]).contiguous())
                 for j in range(groups)]  # fmt: skip
 
     def norms(self, calls, aux, backend):
@@ -260,7 +268,7 @@ class _Conv2dRule(_WrappedRule):
         if m.weight.requires_grad:
             scale, shift = aux.scale(m.weight), aux.shift(m.weight)
             total = 0
-            for j, (a, g) in enumerate(self.groups(calls)):
+            for j, (a, g) in enumerate(self.prepared(calls)):
                 total = total + linear_sumsq(a, g, scale=_rows(scale, m.groups, j), shift=_rows(shift, m.groups, j),
                                              backend=backend)  # fmt: skip
             out[m.weight] = total
@@ -273,7 +281,8 @@ class _Conv2dRule(_WrappedRule):
         m = self.module
         if not m.weight.requires_grad:
             return {}
-        parts = [linear_weighted_sum(a, g, weights[m.weight], backend=backend) for a, g in self.groups(calls)]
+        groups = self.prepared(calls, last=True)
+        parts = [linear_weighted_sum(a, g, weights[m.weight], backend=backend) for a, g in groups]
         return {m.weight: torch.cat(parts).view(m.weight.shape)}
 
 
@@ -296,14 +305,14 @@ class _EmbeddingRule(_WrappedRule):
             return F.embedding(ids, m.weight, m.padding_idx)
         return _EmbeddingFn.apply(ids, m.weight, m.padding_idx, self.rec, bk.fid)
 
-    def operands(self, calls):
+    def prepare(self, calls):
         ids = _cat([_positions(c.inputs[0][..., None])[..., 0] for c in calls])
         g, alpha = _cat_grads(calls)
         return ids, g, alpha
 
     def norms(self, calls, aux, backend):
         m = self.module
-        ids, g, alpha = self.operands(calls)
+        ids, g, alpha = self.prepared(calls)
         w = m.weight
         shift = aux.shift(w)
         if shift is not None and alpha != 1.0:
@@ -314,7 +323,7 @@ class _EmbeddingRule(_WrappedRule):
 
     def sums(self, calls, weights, backend):
         m = self.module
-        ids, g, alpha = self.operands(calls)
+        ids, g, alpha = self.prepared(calls, last=True)
         s = embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, padding_idx=m.padding_idx,
                                    backend=backend)  # fmt: skip
         return {m.weight: s}
