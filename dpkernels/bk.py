@@ -75,29 +75,13 @@ class _Recorder:
         self.calls: dict[int, list[_Call]] = defaultdict(list)
 
 
-class _LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(x, weight, bias, rec, fid):
-        return F.linear(x, weight, bias)
+class _WeightFn(torch.autograd.Function):
+    """A Linear (``conv`` None) or Conv2d (``conv`` = its stride, padding, dilation, groups) whose
+    backward records ``(x, G)`` and returns the input gradient only: no weight or bias gradient."""
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _, rec, fid = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.rec, ctx.fid = rec, fid
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        ctx.rec.calls[ctx.fid].append(_Call((x.detach(),), gy.detach(), 1.0))
-        gx = gy.matmul(weight.to(gy.dtype)) if ctx.needs_input_grad[0] else None
-        return gx, None, None, None, None
-
-
-class _Conv2dFn(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, rec, fid, conv):
-        return F.conv2d(x, weight, bias, *conv)
+        return F.linear(x, weight, bias) if conv is None else F.conv2d(x, weight, bias, *conv)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -111,7 +95,8 @@ class _Conv2dFn(torch.autograd.Function):
         ctx.rec.calls[ctx.fid].append(_Call((x.detach(),), gy.detach(), 1.0))
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.nn.grad.conv2d_input(x.shape, weight.to(gy.dtype), gy, *ctx.conv)
+            w = weight.to(gy.dtype)
+            gx = gy.matmul(w) if ctx.conv is None else torch.nn.grad.conv2d_input(x.shape, w, gy, *ctx.conv)
         return gx, None, None, None, None, None
 
 
@@ -194,7 +179,7 @@ class _LinearRule(_WrappedRule):
         m = self.module
         if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
             return F.linear(x, m.weight, m.bias)
-        return _LinearFn.apply(x, m.weight, m.bias, self.rec, bk.fid)
+        return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, None)
 
     def prepare(self, calls):
         """``(A [B, T, d_in], G [B, T, d_out], α)``: the calls concatenated along ``T``, ``G`` unscaled
@@ -247,7 +232,7 @@ class _Conv2dRule(_WrappedRule):
         m = self.module
         if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
             return m._conv_forward(x, m.weight, m.bias)
-        return _Conv2dFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
+        return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
 
     def prepare(self, calls):
         """Per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
