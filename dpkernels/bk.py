@@ -449,9 +449,14 @@ class BKModule(nn.Module):
             rule.install(self)
 
     def forward(self, *args, **kwargs):
+        self.begin_forward()
+        return self._module(*args, **kwargs)
+
+    def begin_forward(self) -> None:
+        """Start a new micro-batch (called by :meth:`forward`; a wrapper that calls the model itself
+        calls it first)."""
         self.fid += 1
         self._forwards.append(self.fid)
-        return self._module(*args, **kwargs)
 
     def __getattr__(self, name):
         try:

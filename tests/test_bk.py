@@ -289,3 +289,44 @@ def test_make_private_bk_follows_per_sample_mode(setup):
     assert eps_bk == eps_hooks
     for p, q in zip(got, want, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def _ghost_run(accelerated: bool, steps=3):
+    """Opacus ghost clipping (σ = 0), plain or with accelerate(criterion=...): final parameters and the
+    number of backward passes through the model's output per step."""
+    from opacus import PrivacyEngine as OpacusPrivacyEngine
+
+    from dpkernels.integrations.opacus import accelerate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * steps, 10, generator=g), torch.randint(0, 3, (8 * steps,), generator=g)
+    module, opt, crit, loader = OpacusPrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0, max_grad_norm=0.3,
+        poisson_sampling=False, grad_sample_mode="ghost",
+    )  # fmt: skip
+    if accelerated:
+        accelerate(opt, backend="cpu", seed=3, criterion=crit)
+    passes = 0
+    for xb, yb in loader:
+        opt.zero_grad()
+        out = module(xb)
+
+        def count(grad):
+            nonlocal passes
+            passes += 1
+
+        out.register_hook(count)
+        crit(out, yb).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], passes / steps
+
+
+def test_accelerate_ghost_runs_one_backward():
+    want, passes_opacus = _ghost_run(False)
+    got, passes = _ghost_run(True)
+    assert passes_opacus == 2 and passes == 1
+    for p, q in zip(got, want, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

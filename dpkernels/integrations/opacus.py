@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 try:
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import (
         AdaClipDPOptimizer,
         DistributedDPOptimizer,
@@ -44,11 +45,13 @@ try:
     )
     from opacus.optimizers import adaclipoptimizer as _adaclip
     from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping, DPTensorFastGradientClipping
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("dpkernels.integrations.opacus needs opacus: pip install 'dpkernels[opacus]'") from exc
 
 from .. import _backend
 from .. import optim as dpk_optim
+from ..bk import BKModule
 from ..clip import clip_and_accumulate
 from ..noise import add_gaussian_noise_
 from ._make_private import ALGORITHMS, CorrelatedNoiseAccountant, DPKernelsOptimizer, PrivacyEngine, make_private
@@ -398,7 +401,83 @@ def _rewrap_scheduler_step(opt) -> None:
     opt.step = wrapper
 
 
-def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
+class _BKTensor(DPTensorFastGradientClipping):
+    """Opacus's ghost-clipping loss whose ``backward()`` is one backward pass (book-keeping) instead
+    of two: the :class:`~dpkernels.bk.BKModule` the optimizer carries (``_dpk_bk``) keeps each layer's
+    input and output gradient, then ``p.grad`` receives the clipped sum ``Σ_i c_i g_i`` (added to a
+    previous micro-batch's: gradient accumulation works), as Opacus's second backward leaves it."""
+
+    def backward(self):
+        opt = self.optimizer
+        bk = opt._dpk_bk
+        params = bk.trainable_parameters()
+        before = [p.grad for p in params]
+        reduced = self.loss_per_sample.mean(0) if self.loss_reduction == "mean" else self.loss_per_sample.sum(0)
+        try:
+            reduced.backward()
+            sums, _ = bk.clip_and_accumulate(float(opt.max_grad_norm), backend=opt._dpk_engine.backend)
+        except Exception:
+            for p, g in zip(params, before, strict=True):
+                p.grad = g
+            bk.clear()
+            raise
+        for p, g, s in zip(params, before, sums, strict=True):
+            p.grad = s.to(p.dtype) if g is None else g + s.to(p.dtype)
+
+
+def _keep_class(name: str):
+    base = getattr(DPTensorFastGradientClipping, name)
+
+    @functools.wraps(base)
+    def op(self, *args):
+        out = base(self, *args)
+        out.__class__ = type(self)
+        return out
+
+    return op
+
+
+# Opacus's loss arithmetic (loss / k, w * loss, loss + other) builds its own class by name.
+for _name in ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__"):
+    setattr(_BKTensor, _name, _keep_class(_name))
+
+
+class _BKLoss(DPLossFastGradientClipping):
+    """Opacus's ghost-clipping criterion returning :class:`_BKTensor`."""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        out.__class__ = _BKTensor
+        return out
+
+
+def _check_ghost_criterion(dp_optimizer, criterion) -> None:
+    if type(criterion) is not DPLossFastGradientClipping:
+        raise TypeError(f"criterion must be Opacus's DPLossFastGradientClipping, got {type(criterion).__name__}")
+    if type(dp_optimizer) is not DPOptimizerFastGradientClipping or criterion.optimizer is not dp_optimizer:
+        raise TypeError("criterion= is for the ghost-clipping DPOptimizerFastGradientClipping that the criterion wraps")
+    gsm = criterion.module
+    if not isinstance(gsm, GradSampleModuleFastGradientClipping):
+        raise TypeError(
+            f"the criterion's module must be a GradSampleModuleFastGradientClipping, got {type(gsm).__name__}"
+        )
+    model_params = {id(p) for p in gsm._module.parameters() if p.requires_grad}
+    if model_params != {id(p) for p in dp_optimizer.params}:
+        raise ValueError("the optimizer's parameters are not the trainable parameters of the criterion's module")
+
+
+def _one_backward(dp_optimizer, criterion) -> None:
+    """Make ``criterion`` (Opacus's ``DPLossFastGradientClipping`` for ``dp_optimizer``) run one backward
+    pass: the GradSampleModule's hooks are removed and a BKModule captures its layers instead."""
+    gsm = criterion.module
+    bk = BKModule(gsm._module, loss_reduction=criterion.loss_reduction)
+    gsm.remove_hooks()
+    gsm.register_forward_pre_hook(lambda module, args: bk.begin_forward())
+    dp_optimizer._dpk_bk = bk
+    criterion.__class__ = _BKLoss
+
+
+def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None, criterion=None):
     """Run an Opacus DP optimizer's clip, accumulate, noise, scale and step on dpkernels.
 
     Args:
@@ -411,6 +490,11 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
         backend: dpkernels backend (``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"``, ``"triton"``).
         seed: the Philox noise key (the 256-bit ChaCha20 key when ``secure_mode``); default: drawn
             from the optimizer's ``generator`` if it has one, else fresh.
+        criterion: with a ghost-clipping ``DPOptimizerFastGradientClipping``, its
+            ``DPLossFastGradientClipping`` (``make_private(grad_sample_mode="ghost")`` returns both):
+            ``loss.backward()`` then runs **one** backward pass instead of Opacus's two (book-keeping,
+            :mod:`dpkernels.bk`: the GradSampleModule's hooks are removed, its layers captured), and
+            gradient accumulation over several backward passes works.
 
     Returns: the same object, whose class is now ``Accelerated<Class>``. Its ``step(noise=...)``
     accepts pre-drawn noise; ``state`` is the engine's; ``p.grad`` is None after a step.
@@ -438,11 +522,19 @@ def accelerate(dp_optimizer, *, backend: str = "auto", seed: int | None = None):
     for idx, g in enumerate(inner.param_groups):
         param_group_hypers(inner, g, idx)
     original_cls = type(dp_optimizer)
+    if criterion is not None:
+        _check_ghost_criterion(dp_optimizer, criterion)
     dp_optimizer.__class__ = cls
     try:
         dp_optimizer._dpk_init(backend, seed)
     except Exception:
         dp_optimizer.__class__ = original_cls
         raise
+    if criterion is not None:
+        try:
+            _one_backward(dp_optimizer, criterion)
+        except Exception:
+            dp_optimizer.__class__ = original_cls
+            raise
     _rewrap_scheduler_step(dp_optimizer)
     return dp_optimizer
