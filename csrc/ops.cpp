@@ -95,4 +95,10 @@ TORCH_LIBRARY(dpkernels_C, m) {
   // float32 [d_out, d_in]. Returns float32 [B]: out[i] = Σ_{o,k} (scale (g_iᵀ a_i - shift))²[o, k],
   // products and tile sums in fp32, tiles combined in fp64, the per-sample gradient never stored.
   m.def("linear_sumsq_tiled(Tensor a, Tensor g, Tensor? scale, Tensor? shift) -> Tensor");
+  // The same for a Conv2d's weight gradient, the linear layer over x's im2col patches, read in place
+  // (implicit im2col): x [B, C, H, W], g [B, O, H_out, W_out] (each channel plane contiguous);
+  // scale, shift: None or float32 [O, C * kh * kw].
+  m.def(
+      "conv2d_sumsq_tiled(Tensor x, Tensor g, int[2] kernel_size, int[2] stride, int[2] padding, int[2] "
+      "dilation, Tensor? scale, Tensor? shift) -> Tensor");
 }

@@ -14,7 +14,8 @@ gives on the per-sample gradients Opacus would have built, with the layer ops of
 layer               per-sample norm / clipped sum
 ==================  ============================================================================
 ``nn.Linear``       :func:`~dpkernels.layers.linear_sumsq` / ``(w ⊙ G)ᵀA``; bias ``Σ_t G_it``
-``nn.Conv2d``       the linear ops over im2col patches (zero padding); bias ``Σ_hw G_i``
+``nn.Conv2d``       :func:`~dpkernels.layers.conv2d_sumsq` (implicit im2col) / the layer's own
+                    weight gradient with ``w`` folded in; bias ``Σ_hw G_i`` (zero padding)
 ``nn.Embedding``    segment sum over (sample, token id), ``padding_idx`` included
 anything else       that layer's per-sample gradients, from Opacus's grad sampler (LayerNorm,
                     GroupNorm, RMSNorm, ...) or its functorch fallback, dropped after use
@@ -40,7 +41,15 @@ from torch import Tensor, nn
 
 from . import _backend
 from .clip import CLIP, _check_max_grad_norm, _check_mode
-from .layers import conv2d_patches, embedding_sumsq, embedding_weighted_sum, linear_sumsq, linear_weighted_sum
+from .layers import (
+    conv2d_patches,
+    conv2d_sumsq,
+    conv2d_weighted_sum,
+    embedding_sumsq,
+    embedding_weighted_sum,
+    linear_sumsq,
+    linear_weighted_sum,
+)
 from .reference import clip as ref_clip
 
 __all__ = ["BKBatch", "BKModule"]
@@ -61,6 +70,29 @@ class _Call:
 
     def scaled_grad(self) -> Tensor:
         return self.grad * self.alpha if self.alpha != 1.0 else self.grad
+
+    def times(self, factor: float) -> _Call:
+        return type(self)(self.inputs, self.grad, self.alpha * factor)
+
+    def without(self, keep: Tensor) -> _Call:
+        """This call with the rows of dropped (non-finite) samples zeroed: ``0 · NaN`` would poison a GEMM."""
+        return type(self)(tuple(_keep_rows(x, keep) for x in self.inputs), _keep_rows(self.grad, keep), self.alpha)
+
+
+class _Grads(_Call):
+    """A layer's per-sample gradients ``(g_p [B, *p.shape] per parameter,)``, formed in backward,
+    in place of its inputs (``grad`` unused)."""
+
+    @property
+    def batch(self) -> int:
+        return self.inputs[0].shape[0]
+
+
+def _keep_rows(x, keep: Tensor):
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        return x
+    mask = keep.view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +255,10 @@ def _cat_grads(calls) -> tuple[Tensor, float]:
 
 
 class _Conv2dRule(_WrappedRule):
+    """One call: the conv layer ops, which read the input and ``G`` in place (no patches). A layer
+    called several times per forward: the linear ops over the calls' im2col patches, concatenated
+    along ``T``."""
+
     def conv_args(self):
         m = self.module
         padding = 0 if m.padding == "valid" else m.padding
@@ -234,8 +270,12 @@ class _Conv2dRule(_WrappedRule):
             return m._conv_forward(x, m.weight, m.bias)
         return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
 
+    def geometry(self) -> dict:
+        stride, padding, dilation, groups = self.conv_args()
+        return dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+
     def prepare(self, calls):
-        """Per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
+        """Several calls: per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
         m = self.module
         stride, padding, dilation, groups = self.conv_args()
         per_call = [
@@ -252,22 +292,36 @@ class _Conv2dRule(_WrappedRule):
         out = {}
         if m.weight.requires_grad:
             scale, shift = aux.scale(m.weight), aux.shift(m.weight)
-            total = 0
-            for j, (a, g) in enumerate(self.prepared(calls)):
-                total = total + linear_sumsq(a, g, scale=_rows(scale, m.groups, j), shift=_rows(shift, m.groups, j),
-                                             backend=backend)  # fmt: skip
-            out[m.weight] = total
+            if len(calls) == 1:
+                (c,) = calls
+                x, g, alpha = c.inputs[0], c.grad.to(c.inputs[0].dtype), c.alpha
+                if shift is not None and alpha != 1.0:  # ‖S ⊙ (αg − M)‖ is not homogeneous in α
+                    g, alpha = g * alpha, 1.0
+                sq = conv2d_sumsq(x, g, m.weight.shape, scale=scale, shift=shift, backend=backend, **self.geometry())
+                out[m.weight] = sq * (alpha * alpha) if alpha != 1.0 else sq
+            else:
+                total = 0
+                for j, (a, g) in enumerate(self.prepared(calls)):
+                    total = total + linear_sumsq(a, g, scale=_rows(scale, m.groups, j),
+                                                 shift=_rows(shift, m.groups, j), backend=backend)  # fmt: skip
+                out[m.weight] = total
         mat = {}
         if m.bias is not None and m.bias.requires_grad:
-            mat[m.bias] = sum(c.scaled_grad().sum((2, 3)) for c in calls)
+            mat[m.bias] = sum(c.grad.sum((2, 3)) * c.alpha for c in calls)
         return out, mat
 
     def sums(self, calls, weights, backend):
         m = self.module
         if not m.weight.requires_grad:
             return {}
-        groups = self.prepared(calls, last=True)
-        parts = [linear_weighted_sum(a, g, weights[m.weight], backend=backend) for a, g in groups]
+        w = weights[m.weight]
+        if len(calls) == 1:
+            (c,) = calls
+            x = c.inputs[0]
+            s = conv2d_weighted_sum(x, c.grad.to(x.dtype), w * c.alpha, m.weight.shape, backend=backend,
+                                    **self.geometry())  # fmt: skip
+            return {m.weight: s}
+        parts = [linear_weighted_sum(a, g, w, backend=backend) for a, g in self.prepared(calls, last=True)]
         return {m.weight: torch.cat(parts).view(m.weight.shape)}
 
 
@@ -317,13 +371,21 @@ class _EmbeddingRule(_WrappedRule):
 class _SamplerRule(_Rule):
     """Any other layer: its per-sample gradients from Opacus's grad sampler for its type, or
     Opacus's functorch fallback (``ft_compute_per_sample_gradient``). Captured with Opacus's own
-    hook pair: a forward hook keeps the inputs, a full backward hook pairs them with ``G``."""
+    hook pair: a forward hook keeps the inputs, a full backward hook pairs them with ``G``.
+
+    With a grad sampler (the norm layers: per-sample gradients ``[B, C]``, far smaller than the
+    layer's input and output gradient) the per-sample gradients are formed in the backward hook and
+    nothing else of the layer is kept; the functorch fallback, which re-runs the layer, keeps
+    ``(inputs, G)`` until the clip."""
 
     def install(self, bk):
         from opacus.grad_sample import GradSampleModule
         from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
-        self.sampler = GradSampleModule.GRAD_SAMPLERS.get(type(self.module), ft_compute_per_sample_gradient)
+        sampler = GradSampleModule.GRAD_SAMPLERS.get(type(self.module))
+        self.eager = sampler is not None
+        self.sampler = sampler or ft_compute_per_sample_gradient
+        self.params = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
         self.pending: list[tuple[int, tuple]] = []
         self.done: dict[int, list[_Call]] = defaultdict(list)
 
@@ -334,7 +396,13 @@ class _SamplerRule(_Rule):
         def on_backward(module, grad_input, grad_output):
             if bk.recording and self.pending:
                 fid, args = self.pending.pop()
-                self.done[fid].append(_Call(args, grad_output[0].detach(), 1.0))
+                g = grad_output[0].detach()
+                if self.eager:
+                    with torch.no_grad():
+                        grads = self.sampler(self.module, list(args), g)
+                    self.done[fid].append(_Grads(tuple(grads[p] for p in self.params), None, 1.0))
+                else:
+                    self.done[fid].append(_Call(args, g, 1.0))
 
         self.hooks = (on_forward, on_backward)
         self.hook()
@@ -357,6 +425,12 @@ class _SamplerRule(_Rule):
 
     def materialise(self, calls):
         out: dict = {}
+        if self.eager:
+            for c in calls:
+                for p, gs in zip(self.params, c.inputs, strict=True):
+                    gs = gs * c.alpha if c.alpha != 1.0 else gs
+                    out[p] = gs if p not in out else out[p] + gs
+            return out
         # functorch cannot trace through the full backward hook's autograd function: unhook meanwhile
         self.uninstall()
         try:
@@ -548,7 +622,7 @@ def _combine(sets: Sequence[list], coeffs: Sequence[float]) -> list[dict]:
         mb: dict = defaultdict(list)
         for (part, alpha), coeff in zip(parts, coeffs, strict=True):
             for rule, calls in part.items():
-                mb[rule].extend(_Call(c.inputs, c.grad, c.alpha * alpha * coeff) for c in calls)
+                mb[rule].extend(c.times(alpha * coeff) for c in calls)
         out.append(dict(mb))
     return out
 
@@ -620,7 +694,7 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
         wf, bad_f = w[start : start + B], bad[start : start + B]
         start += B
         if bool(bad_f.any()):
-            mb = {rule: [_without(c, ~bad_f) for c in calls] for rule, calls in mb.items()}
+            mb = {rule: [c.without(~bad_f) for c in calls] for rule, calls in mb.items()}
         per_param = _ParamWeights(wf, index)
         for rule, calls in mb.items():
             for p, s in rule.sums(calls, per_param, backend).items():
@@ -650,18 +724,6 @@ def _add(sums: list, j: int, s: Tensor) -> None:
 
 def _pick(xs, idx):
     return None if xs is None else [xs[i] for i in idx]
-
-
-def _without(call: _Call, keep: Tensor) -> _Call:
-    """``call`` with the rows of dropped (non-finite) samples zeroed: ``0 · NaN`` would poison a GEMM."""
-
-    def zero(x):
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            return x
-        mask = keep.view(-1, *([1] * (x.dim() - 1)))
-        return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-    return _Call(tuple(zero(x) for x in call.inputs), zero(call.grad), call.alpha)
 
 
 class _ParamWeights:

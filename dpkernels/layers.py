@@ -28,6 +28,9 @@ csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernel
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,6 +53,10 @@ LINEAR_METHODS = ("auto", "t1", "gram", "tiled")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Gram matrices of at most this many elements per chunk of samples (bounds the [b, T, T] buffers).
 _GRAM_CHUNK_ELEMS = 1 << 24
+# A conv's explicit im2col patches (Gram form, Triton) are built a chunk of samples at a time, at
+# most max(this, the input's size) elements per chunk: kh·kw times the input would otherwise double
+# a small CNN's peak memory.
+_PATCH_CHUNK_ELEMS = 1 << 18
 # "auto" takes the Gram form when T·(d_in + d_out) <= GRAM_CROSSOVER · d_in·d_out, i.e. when its
 # flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py (docs/BENCHMARKS.md,
 # "Book-keeping"), least total slowdown over the grid for any value in [0.625, 1).
@@ -62,9 +69,23 @@ GRAM_CROSSOVER = 0.75
 #   linear_weighted_sum(a, g, weights) -> float32 [d_out, d_in] (float64 for float64 input)
 #   embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift) -> float64 [B]
 #   embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx) -> [V, d], as above
+#   conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method) -> float64 [B]
+#   conv2d_weighted_sum(x, g, weights, weight_shape, geom) -> weight_shape, as above
 # on validated input: a, g [B, T, d]; ids [B, T] int64 in range; scale either dense [d_out, d_in]
-# (s_out = s_in = None) or rank one (scale = None); method resolved (not "auto").
+# (s_out = s_in = None) or rank one (scale = None); x [B, C_in, H, W] and g [B, C_out, H_out,
+# W_out] contiguous, scale/shift of a conv None or shaped like its weight; method resolved (not
+# "auto").
 # --------------------------------------------------------------------------------------------
+
+
+class Conv2dGeometry(NamedTuple):
+    """A Conv2d's geometry, every size a pair (as ``torch.nn.Conv2d`` keeps them)."""
+
+    kernel_size: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
 
 
 class _ReferenceLayers:
@@ -85,6 +106,14 @@ class _ReferenceLayers:
     @staticmethod
     def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx):
         return ref.embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx)
+
+    @staticmethod
+    def conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method):
+        return ref.conv2d_sumsq(x, g, weight_shape, *geom[1:], scale, shift)
+
+    @staticmethod
+    def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
+        return ref.conv2d_weighted_sum(x, g, weights, weight_shape, *geom[1:])
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -159,6 +188,41 @@ class _AtenLayers:
             out[padding_idx] = 0
         return out
 
+    @staticmethod
+    def conv_tiled(x, g, geom, scale, shift):
+        """One group's tiled norms, read from ``x`` and ``g`` in place (implicit im2col)."""
+        return torch.ops.dpkernels_C.conv2d_sumsq_tiled(x, g, geom.kernel_size, geom.stride, geom.padding,
+                                                         geom.dilation, scale, shift)  # fmt: skip
+
+    @classmethod
+    def conv2d_sumsq(cls, x, g, weight_shape, geom, scale, shift, method):
+        if x.dtype == torch.float64:
+            return ref.conv2d_sumsq(x, g, weight_shape, *geom[1:], scale, shift)
+        total = None
+        for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
+            sc, sh = _group_rows(scale, geom.groups, j), _group_rows(shift, geom.groups, j)
+            if method == "tiled":
+                f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+                part = cls.conv_tiled(xj, gj, geom, f32(sc), f32(sh)).double()
+            else:
+                part = _conv_gram_sumsq(xj, gj, geom, sh)
+            total = part if total is None else total + part
+        return total
+
+    @staticmethod
+    def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
+        """``Σ_i w_i g_i`` as the layer's weight gradient with ``w`` folded into the smaller of ``x``
+        and ``g`` (``(w ⊙ G)ᵀA = Gᵀ(w ⊙ A)``): the framework's conv weight-gradient kernel, no
+        patches."""
+        dt = _acc_dtype(x)
+        x, g = x.to(dt), g.to(dt)
+        w = weights.to(dt).view(-1, 1, 1, 1)
+        if x[0].numel() <= g[0].numel():
+            x = x * w
+        else:
+            g = g * w
+        return torch.nn.grad.conv2d_weight(x, weight_shape, g, *geom[1:])
+
 
 def _t1_sumsq(a, g, s_out, s_in, scale):
     """``T = 1``: ``‖S ⊙ (g aᵀ)‖²`` for ``a`` ``[B, d_in]``, ``g`` ``[B, d_out]``; with a dense scale
@@ -210,6 +274,36 @@ def _segments(ids, tok, num_embeddings, padding_idx):
     return keys, rows, tok
 
 
+def _group_views(x: Tensor, g: Tensor, groups: int):
+    """Per group ``(x_j, g_j)``: channel slices of ``x`` and ``g`` (views)."""
+    cx, cg = x.shape[1] // groups, g.shape[1] // groups
+    return [(x[:, j * cx : (j + 1) * cx], g[:, j * cg : (j + 1) * cg]) for j in range(groups)]
+
+
+def _patch_chunks(x: Tensor, g: Tensor, geom: Conv2dGeometry):
+    """One group's im2col patches ``(A [b, T, d_in], G [b, T, d_out])`` a chunk of samples at a time,
+    each chunk's patches about the size of the whole input at most (and at least one sample)."""
+    B = x.shape[0]
+    per_sample = max(1, math.prod(geom.kernel_size) * x[0].numel())
+    step = max(1, min(B, max(x.numel(), _PATCH_CHUNK_ELEMS) // per_sample))
+    for lo in range(0, B, step):
+        ((a, gg),) = conv2d_patches(x[lo : lo + step], g[lo : lo + step], geom.kernel_size, *geom[1:4], 1)
+        yield a, gg
+
+
+def _conv_gram_sumsq(x, g, geom, shift):
+    """One group's Gram-form norms over its patches, chunk by chunk (no scale: "gram" takes none)."""
+    parts = []
+    for a, gg in _patch_chunks(x, g, geom):
+        dt = _acc_dtype(a)
+        a, gg = a.to(dt), gg.to(dt)
+        sumsq = _gram_sumsq(a, gg)
+        if shift is not None:
+            sumsq = sumsq + _shift_terms(a, gg, None, None, None, shift)
+        parts.append(sumsq.clamp_min_(0.0))
+    return torch.cat(parts)
+
+
 class _TritonLayers(_AtenLayers):
     """triton: the ATen GEMMs of the native backends, the tiled product in Triton."""
 
@@ -219,6 +313,12 @@ class _TritonLayers(_AtenLayers):
 
         return linear_sumsq_tiled(a, g, scale, shift)
 
+    @classmethod
+    def conv_tiled(cls, x, g, geom, scale, shift):
+        """The Triton tiled product over explicit patches, a chunk of samples at a time."""
+        parts = [cls.tiled(a.contiguous(), gg.contiguous(), scale, shift) for a, gg in _patch_chunks(x, g, geom)]
+        return torch.cat(parts)
+
 
 if _backend.has_cpu_kernels():
 
@@ -227,10 +327,22 @@ if _backend.has_cpu_kernels():
         torch._check(a.dim() == 3 and g.dim() == 3, lambda: "linear_sumsq_tiled takes [B, T, d] a and g")
         return a.new_empty((a.shape[0],), dtype=torch.float32)
 
+    @torch.library.register_fake("dpkernels_C::conv2d_sumsq_tiled")
+    def _(x, g, kernel_size, stride, padding, dilation, scale, shift):
+        torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_sumsq_tiled takes [B, C, H, W] x and g")
+        return x.new_empty((x.shape[0],), dtype=torch.float32)
+
 
 LAYERS = family(
     "layers",
-    ("linear_sumsq", "linear_weighted_sum", "embedding_sumsq", "embedding_weighted_sum"),
+    (
+        "linear_sumsq",
+        "linear_weighted_sum",
+        "embedding_sumsq",
+        "embedding_weighted_sum",
+        "conv2d_sumsq",
+        "conv2d_weighted_sum",
+    ),
     reference=lambda: _ReferenceLayers,
     cpu=lambda: _AtenLayers,
     cuda=lambda: _AtenLayers,
@@ -444,27 +556,107 @@ def _group_rows(x: Tensor | None, groups: int, j: int):
     return x[j * rows : (j + 1) * rows].reshape(rows, -1)
 
 
+def _pair(name: str, v) -> tuple[int, int]:
+    t = (v, v) if isinstance(v, int) else tuple(v)
+    if len(t) != 2 or not all(isinstance(e, int) and not isinstance(e, bool) for e in t):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+    return t
+
+
+def _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups):
+    """``(x, g, weight_shape, geometry)`` checked against each other; ``x`` and ``g`` contiguous."""
+    _check_tensor("x", x, (4,))
+    _check_tensor("g", g, (4,))
+    if isinstance(padding, str):
+        raise ValueError("padding must be numeric (a module's 'same'/'valid' padding resolved to integers)")
+    if x.dtype != g.dtype:
+        raise TypeError(f"x and g must have one dtype, got {x.dtype} and {g.dtype}")
+    if x.device != g.device:
+        raise ValueError(f"x is on {x.device} but g is on {g.device}")
+    weight_shape = tuple(int(d) for d in weight_shape)
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    if len(weight_shape) != 4 or weight_shape[0] != g.shape[1] or weight_shape[1] * groups != x.shape[1]:
+        raise ValueError(
+            f"weight_shape {list(weight_shape)} does not match x {tuple(x.shape)}, g {tuple(g.shape)} and "
+            f"groups={groups} ([C_out, C_in/groups, kh, kw])"
+        )
+    if g.shape[0] != x.shape[0] or weight_shape[0] % groups:
+        raise ValueError(f"x {tuple(x.shape)} and g {tuple(g.shape)} do not match a conv with groups={groups}")
+    geom = Conv2dGeometry(
+        weight_shape[2:], _pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation), groups
+    )
+    if min(geom.stride + geom.dilation + geom.kernel_size) < 1 or min(geom.padding) < 0:
+        raise ValueError(f"invalid conv geometry {geom}")
+    out = [(x.shape[2 + d] + 2 * geom.padding[d] - geom.dilation[d] * (geom.kernel_size[d] - 1) - 1)
+           // geom.stride[d] + 1 for d in range(2)]  # fmt: skip
+    if list(g.shape[2:]) != out:
+        raise ValueError(f"g's spatial size {list(g.shape[2:])} is not the conv's output size {out}")
+    return x.contiguous(), g.contiguous(), weight_shape, geom
+
+
+def _check_weight_like(name: str, t, weight_shape, device):
+    if t is None:
+        return None
+    _check_tensor(name, t, (4,))
+    if tuple(t.shape) != weight_shape:
+        raise ValueError(f"{name} must be shaped like the weight {list(weight_shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
+    return t.contiguous()
+
+
+CONV_METHODS = ("auto", "gram", "tiled")
+
+
 def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                  scale: Tensor | None = None, shift: Tensor | None = None, method: str = "auto",
                  backend: str = "auto") -> Tensor:  # fmt: skip
-    """Per-sample ``‖S ⊙ (g_i − M)‖²`` of a Conv2d weight gradient (``weight_shape`` ``[C_out, C_in/groups,
-    kh, kw]``; ``scale``/``shift`` ``None`` or shaped like the weight): :func:`linear_sumsq` over the
-    im2col patches of each group, summed. Returns float64 ``[B]``."""
-    parts = conv2d_patches(x, g, tuple(weight_shape[2:]), stride, padding, dilation, groups)
-    for name, t in (("scale", scale), ("shift", shift)):
-        if t is not None and tuple(t.shape) != tuple(weight_shape):
-            raise ValueError(f"{name} must be shaped like the weight {list(weight_shape)}, got {tuple(t.shape)}")
-    total = None
-    for j, (a, gj) in enumerate(parts):
-        s = linear_sumsq(a, gj, scale=_group_rows(scale, groups, j), shift=_group_rows(shift, groups, j),
-                         method=method, backend=backend)  # fmt: skip
-        total = s if total is None else total + s
-    return total
+    """Per-sample ``‖S ⊙ (g_i − M)‖²`` of a Conv2d's weight gradient: per group, the linear layer over
+    the input's im2col patches (``T = H_out·W_out`` positions, ``d_in = C_in/groups·kh·kw``).
+
+    Args:
+        x: the layer's input ``[B, C_in, H, W]`` (float32, float16, bfloat16, float64).
+        g: the gradient of its output ``[B, C_out, H_out, W_out]``, same dtype and device.
+        weight_shape: ``[C_out, C_in/groups, kh, kw]``.
+        stride, padding, dilation, groups: the layer's (ints or pairs; numeric padding).
+        scale, shift: ``None`` or shaped like the weight (a dense scale).
+        method: ``"tiled"`` (the per-sample product with the scale/shift/square epilogue, the
+            patches read in place on ``cpu``/``cuda``: implicit im2col), ``"gram"`` (no scale; the
+            Gram form over patches built a chunk of samples at a time), or ``"auto"`` (Gram where
+            its flops are at most :data:`GRAM_CROSSOVER` of the tiled product's, as for Linear).
+
+    Returns: float64 ``[B]``, formed as :func:`linear_sumsq`.
+    """
+    x, g, weight_shape, geom = _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups)
+    scale = _check_weight_like("scale", scale, weight_shape, x.device)
+    shift = _check_weight_like("shift", shift, weight_shape, x.device)
+    if method not in CONV_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {CONV_METHODS}")
+    if method == "gram" and scale is not None:
+        raise ValueError("method 'gram' takes no scale; use 'tiled'")
+    if method == "auto":
+        T = g.shape[2] * g.shape[3]
+        d_out, d_in = weight_shape[0] // groups, math.prod(weight_shape[1:])
+        cheap = T * (d_in + d_out) <= GRAM_CROSSOVER * d_in * d_out
+        method = "gram" if scale is None and cheap else "tiled"
+    backend = _backend.resolve(backend, x.device)
+    if x.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64, device=x.device)
+    return LAYERS.kernels(backend).conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method)
 
 
 def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, *, stride=1, padding=0, dilation=1,
                         groups: int = 1, backend: str = "auto") -> Tensor:  # fmt: skip
-    """``Σ_i w_i g_i`` for a Conv2d weight, shaped ``weight_shape``: :func:`linear_weighted_sum` per group."""
-    parts = conv2d_patches(x, g, tuple(weight_shape[2:]), stride, padding, dilation, groups)
-    sums = [linear_weighted_sum(a, gj, weights, backend=backend) for a, gj in parts]
-    return torch.cat(sums).view(weight_shape)
+    """``Σ_i w_i g_i`` for a Conv2d weight: the layer's weight gradient with ``w`` folded into its
+    input or output gradient. ``x``, ``g`` as :func:`conv2d_sumsq`; ``weights`` ``[B]``.
+
+    Returns: float32 ``weight_shape`` (float64 for float64 input).
+    """
+    x, g, weight_shape, geom = _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups)
+    weights = _check_weights(weights, x.shape[0], x.device)
+    backend = _backend.resolve(backend, x.device)
+    if x.shape[0] == 0:
+        return torch.zeros(weight_shape, dtype=_acc_dtype(x), device=x.device)
+    out = LAYERS.kernels(backend).conv2d_weighted_sum(x, g, weights, weight_shape, geom)
+    return out.to(_acc_dtype(x))

@@ -1,5 +1,6 @@
-// CPU kernel of dpkernels_C::linear_sumsq_tiled (schema in csrc/ops.cpp, math and checks in
-// layers.h): per-sample ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i.
+// CPU kernels of dpkernels_C::linear_sumsq_tiled and dpkernels_C::conv2d_sumsq_tiled (schemas in
+// csrc/ops.cpp, math and checks in layers.h): per-sample ‖scale ⊙ (g_iᵀ a_i − shift)‖² without
+// materialising g_iᵀ a_i.
 //
 // A GEMM blocked as in BLIS, whose output tile never leaves the registers. The [d_out, d_in]
 // product is cut into blocks of kBlockO × kBlockK; for one (sample, block) the block's columns of
@@ -10,9 +11,14 @@
 // fp64 accumulators. With T > kChunkT the tiles of a block are parked in a per-thread buffer between
 // chunks (the only time a product value touches memory).
 //
+// The packing is the only part that knows the layer: LinearOperands reads rows of a and g;
+// ConvOperands gathers a Conv2d's im2col patches straight from its input (implicit im2col, zero
+// outside the image) and reads g's channel planes, so neither the patches (kh · kw times the input)
+// nor a transposed copy of g is ever built.
+//
 // Threads take (sample, block) tasks in sample-major order, or (block, group of samples) tasks when
 // rereading shift/scale for every sample would cost more than rereading a and g for every block
-// (see linear_sumsq_tiled_cpu). Every (sample, block) writes its own fp64 partial and each sample's
+// (see tiled_sumsq). Every (sample, block) writes its own fp64 partial and each sample's
 // partials are summed in block order: the result depends neither on the thread count nor on the
 // task order.
 #include "dpkernels/layers.h"
@@ -89,6 +95,14 @@ void pack_panels(const scalar_t* src, int64_t ld, int64_t rows, int64_t n, int64
   }
 }
 
+// Zeroes the columns [n, panels · W) of the packed chunk (tc rows): the last panel's padding.
+template <int W>
+void zero_panel_tail(float* dst, int64_t tc, int64_t n) {
+  if (n % W == 0) return;
+  float* last = dst + (n / W) * tc * W;
+  for (int64_t t = 0; t < tc; ++t) std::fill(last + t * W + n % W, last + (t + 1) * W, 0.f);
+}
+
 using Tile = fVec[kMR][kNV];
 
 // acc[r][v] += Σ_{t < tc} g[t][r] · a[t][v-th vector], g and a packed micro-panels.
@@ -153,18 +167,95 @@ struct Scratch {
       : a(kPanelsK * kNR * tc), g(kPanelsO * kMR * tc), tile(kPanelsO * kPanelsK * kMR * kNR), tmp(kBlockK) {}
 };
 
-struct Inputs {
+// The operands of a linear layer: sample i's rows are a_i [T, d_in] and g_i [T, d_out], contiguous.
+// pack_a / pack_g pack the chunk of positions [t0, t0 + tc) × columns [c0, c0 + n) as micro-panels.
+template <typename scalar_t>
+struct LinearOperands {
+  const scalar_t* a;
+  const scalar_t* g;
   LinearShape s;
+
+  void pack_a(int64_t i, int64_t t0, int64_t tc, int64_t k0, int64_t n, Scratch& w) const {
+    pack_panels<kNR>(a + (i * s.T + t0) * s.d_in + k0, s.d_in, tc, n, ceil_div(n, kNR), w.tmp.data(),
+                     w.a.data());
+  }
+  void pack_g(int64_t i, int64_t t0, int64_t tc, int64_t o0, int64_t n, Scratch& w) const {
+    pack_panels<kMR>(g + (i * s.T + t0) * s.d_out + o0, s.d_out, tc, n, ceil_div(n, kMR), w.tmp.data(),
+                     w.g.data());
+  }
+};
+
+// The operands of a Conv2d as the linear layer over its im2col patches, without building them:
+// position t = (oh, ow) of the output, column k = (c, kh, kw) of the weight (weight[o].flatten()
+// order). pack_a gathers the patch values from x (implicit im2col: zero outside the image), pack_g
+// reads g's channel rows, in which positions are contiguous.
+template <typename scalar_t>
+struct ConvOperands {
+  const scalar_t* x;
+  const scalar_t* g;
+  ConvShape c;
+
+  void pack_a(int64_t i, int64_t t0, int64_t tc, int64_t k0, int64_t n, Scratch& w) const {
+    float* dst = w.a.data();
+    const int64_t kk = c.kh * c.kw;
+    const scalar_t* xi = x + i * c.x_batch_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = k0 + j, ch = k / kk, r = k % kk;
+      const int64_t dh = (r / c.kw) * c.dilation_h - c.pad_h, dw = (r % c.kw) * c.dilation_w - c.pad_w;
+      // Output columns whose input column lies inside the image: [lo, hi).
+      const int64_t lo = std::min(dw >= 0 ? 0 : ceil_div(-dw, c.stride_w), c.W_out);
+      const int64_t hi = std::clamp<int64_t>(c.W > dw ? ceil_div(c.W - dw, c.stride_w) : 0, lo, c.W_out);
+      const scalar_t* xc = xi + ch * c.x_channel_stride;
+      float* col = dst + (j / kNR) * tc * kNR + j % kNR;
+      int64_t oh = t0 / c.W_out, ow = t0 % c.W_out;
+      for (int64_t t = 0; t < tc;) {
+        const int64_t run = std::min(tc - t, c.W_out - ow);  // positions left in this output row
+        const int64_t ih = oh * c.stride_h + dh;
+        float* out = col + t * kNR;
+        // [ow, ow + run) = zeros before lo, the image's values in [lo, hi), zeros after hi.
+        const bool inside = ih >= 0 && ih < c.H;
+        const int64_t a0 = inside ? std::clamp(lo, ow, ow + run) : ow + run;
+        const int64_t a1 = inside ? std::clamp(hi, a0, ow + run) : ow + run;
+        for (int64_t q = ow; q < a0; ++q) out[(q - ow) * kNR] = 0.f;
+        if (a1 > a0) {
+          const scalar_t* src = xc + ih * c.W + dw + a0 * c.stride_w;
+          float* o = out + (a0 - ow) * kNR;
+          if (c.stride_w == 1) {
+            for (int64_t q = 0; q < a1 - a0; ++q) o[q * kNR] = bk_to_float(src[q]);
+          } else {
+            for (int64_t q = 0; q < a1 - a0; ++q) o[q * kNR] = bk_to_float(src[q * c.stride_w]);
+          }
+        }
+        for (int64_t q = a1; q < ow + run; ++q) out[(q - ow) * kNR] = 0.f;
+        t += run;
+        ow = 0;
+        ++oh;
+      }
+    }
+    zero_panel_tail<kNR>(dst, tc, n);
+  }
+
+  void pack_g(int64_t i, int64_t t0, int64_t tc, int64_t o0, int64_t n, Scratch& w) const {
+    float* dst = w.g.data();
+    const scalar_t* gi = g + i * c.g_batch_stride + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* src = gi + (o0 + j) * c.g_channel_stride;
+      float* out = dst + (j / kMR) * tc * kMR + j % kMR;
+      for (int64_t t = 0; t < tc; ++t) out[t * kMR] = bk_to_float(src[t]);
+    }
+    zero_panel_tail<kMR>(dst, tc, n);
+  }
+};
+
+struct Epilogue {
   const float* shift;
   const float* scale;
 };
 
-// Σ over block [o0, o0 + bo) × [k0, k0 + bk) of (scale (P_i − shift))² for the sample whose rows
-// are a [T, d_in] and g [T, d_out].
-template <typename scalar_t, bool kShift, bool kScale>
-double block_sumsq(const scalar_t* a, const scalar_t* g, const Inputs& in, int64_t o0, int64_t bo, int64_t k0,
-                   int64_t bk, Scratch& w) {
-  const LinearShape& s = in.s;
+// Σ over block [o0, o0 + bo) × [k0, k0 + bk) of (scale (P_i − shift))² for sample i of `ops`.
+template <bool kShift, bool kScale, typename Ops>
+double block_sumsq(const Ops& ops, const LinearShape& s, const Epilogue& ep, int64_t i, int64_t o0, int64_t bo,
+                   int64_t k0, int64_t bk, Scratch& w) {
   const int64_t np = ceil_div(bo, kMR), nq = ceil_div(bk, kNR);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(s.T, kChunkT));
   dVec dacc[kDLanes];
@@ -173,8 +264,8 @@ double block_sumsq(const scalar_t* a, const scalar_t* g, const Inputs& in, int64
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t t0 = c * kChunkT, tc = std::min(kChunkT, s.T - t0);
     const bool first = c == 0, last = c == chunks - 1;
-    pack_panels<kNR>(a + t0 * s.d_in + k0, s.d_in, tc, bk, nq, w.tmp.data(), w.a.data());
-    pack_panels<kMR>(g + t0 * s.d_out + o0, s.d_out, tc, bo, np, w.tmp.data(), w.g.data());
+    ops.pack_a(i, t0, tc, k0, bk, w);
+    ops.pack_g(i, t0, tc, o0, bo, w);
     for (int64_t q = 0; q < nq; ++q) {
       const float* ap = w.a.data() + q * tc * kNR;
       for (int64_t p = 0; p < np; ++p) {
@@ -188,8 +279,8 @@ double block_sumsq(const scalar_t* a, const scalar_t* g, const Inputs& in, int64
         const int64_t rows = std::min<int64_t>(kMR, bo - p * kMR),
                       cols = std::min<int64_t>(kNR, bk - q * kNR);
         const int64_t off = (o0 + p * kMR) * s.d_in + k0 + q * kNR;
-        const float* sh = kShift ? in.shift + off : nullptr;
-        const float* sc = kScale ? in.scale + off : nullptr;
+        const float* sh = kShift ? ep.shift + off : nullptr;
+        const float* sc = kScale ? ep.scale + off : nullptr;
         if (last) {
           // The epilogue's shift/scale rows (in L2 or farther: they are reread for every sample)
           // are on their way while the tile is multiplied.
@@ -220,15 +311,16 @@ double block_sumsq(const scalar_t* a, const scalar_t* g, const Inputs& in, int64
   return total + edge;
 }
 
-at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
-                                  const std::optional<at::Tensor>& scale,
-                                  const std::optional<at::Tensor>& shift) {
-  const LinearShape s = check_linear_sumsq_inputs(a, g, scale, shift, c10::DeviceType::CPU);
-  auto out = at::empty({s.B}, a.options().dtype(at::kFloat));
+// out[i] = Σ over sample i's blocks of block_sumsq, for the operands make_ops(scalar_t{}) gives.
+template <typename MakeOps>
+at::Tensor tiled_sumsq(const LinearShape& s, at::ScalarType dtype, int64_t element_size,
+                       const at::TensorOptions& options, const std::optional<at::Tensor>& scale,
+                       const std::optional<at::Tensor>& shift, const MakeOps& make_ops) {
+  auto out = at::empty({s.B}, options.dtype(at::kFloat));
   if (s.B == 0) return out;
   if (s.d_in == 0 || s.d_out == 0) return out.zero_();
-  const Inputs in{s, shift ? shift->const_data_ptr<float>() : nullptr,
-                  scale ? scale->const_data_ptr<float>() : nullptr};
+  const Epilogue ep{shift ? shift->const_data_ptr<float>() : nullptr,
+                    scale ? scale->const_data_ptr<float>() : nullptr};
   const int64_t nbo = ceil_div(s.d_out, kBlockO), nbk = ceil_div(s.d_in, kBlockK), blocks = nbo * nbk;
   // Task order. Sample-major (a task: one block of one sample, a sample's blocks in a row) finds a_i
   // and g_i in cache for every block after the first but rereads all of shift/scale for every
@@ -238,7 +330,7 @@ at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
   // EPYC (Zen 3), B = 32, shift and scale: T = 128, d_in = d_out = 1024, sample-major 10% faster;
   // T = 16, d = 2048, block-major 10% faster; T = 16, d = 1024 (near the threshold), even.
   const int64_t rereads_ss = (shift.has_value() + scale.has_value()) * int64_t{4} * s.d_out * s.d_in;
-  const int64_t rereads_ag = s.T * (s.d_in * nbo + s.d_out * nbk) * static_cast<int64_t>(a.element_size());
+  const int64_t rereads_ag = s.T * (s.d_in * nbo + s.d_out * nbk) * element_size;
   const bool block_major = rereads_ss > 2 * rereads_ag;
   // Samples per block-major task: as many as still gives each thread about 8 tasks to balance with.
   const int64_t threads = at::get_num_threads();
@@ -263,9 +355,8 @@ at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
   }
   std::vector<double> partial(s.B * blocks);
   const bool has_shift = shift.has_value(), has_scale = scale.has_value();
-  DPK_DISPATCH_GRAD_TYPES(a.scalar_type(), "linear_sumsq_tiled", [&] {
-    const scalar_t* pa = a.const_data_ptr<scalar_t>();
-    const scalar_t* pg = g.const_data_ptr<scalar_t>();
+  DPK_DISPATCH_GRAD_TYPES(dtype, "tiled_sumsq", [&] {
+    const auto ops = make_ops(scalar_t{});
     const auto run = [&](auto shift_tag, auto scale_tag) {
       constexpr bool kShift = decltype(shift_tag)::value, kScale = decltype(scale_tag)::value;
       cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
@@ -274,8 +365,7 @@ at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
           int64_t i0, o0, bo, k0, bk;
           const int64_t blk = task_block(t, i0, o0, bo, k0, bk);
           for (int64_t i = i0; i < std::min(i0 + per, s.B); ++i) {
-            partial[i * blocks + blk] = block_sumsq<scalar_t, kShift, kScale>(
-                pa + i * s.T * s.d_in, pg + i * s.T * s.d_out, in, o0, bo, k0, bk, w);
+            partial[i * blocks + blk] = block_sumsq<kShift, kScale>(ops, s, ep, i, o0, bo, k0, bk, w);
           }
         }
       });
@@ -297,8 +387,33 @@ at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
   return out;
 }
 
+at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& shift) {
+  const LinearShape s = check_linear_sumsq_inputs(a, g, scale, shift, c10::DeviceType::CPU);
+  return tiled_sumsq(s, a.scalar_type(), a.element_size(), a.options(), scale, shift, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    return LinearOperands<scalar_t>{a.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), s};
+  });
+}
+
+at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
+                                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& shift) {
+  const ConvShape c =
+      check_conv2d_sumsq_inputs(x, g, kernel_size, stride, padding, dilation, scale, shift, c10::DeviceType::CPU);
+  return tiled_sumsq(c.linear(), x.scalar_type(), x.element_size(), x.options(), scale, shift, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    return ConvOperands<scalar_t>{x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), c};
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) { m.impl("linear_sumsq_tiled", &linear_sumsq_tiled_cpu); }
+TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
+  m.impl("linear_sumsq_tiled", &linear_sumsq_tiled_cpu);
+  m.impl("conv2d_sumsq_tiled", &conv2d_sumsq_tiled_cpu);
+}
 
 }  // namespace dpkernels

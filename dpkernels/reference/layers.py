@@ -13,11 +13,14 @@ It materialises every per-sample gradient in float64 and defines what the ``cpu`
   arXiv:2507.01129) and DP-MacAdam's ``‖(g_i − m) ⊙ s‖`` (arXiv:2606.05435).
 - the clipped sum ``Σ_i w_i g_i = (w ⊙ G)ᵀ A`` over all ``B·T`` rows.
 - embedding ``y_it = W[id_it]``: ``g_i[v] = Σ_{t: id_it = v} G_it``, zero at ``padding_idx``.
+- Conv2d: per group, the linear layer over the input's im2col patches (``T = H_out·W_out``
+  positions, columns in ``weight[o].flatten()`` order); ``g_i`` is shaped like the weight.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -88,3 +91,28 @@ def embedding_weighted_sum(ids: Tensor, g: Tensor, weights: Tensor, num_embeddin
                            padding_idx: int | None = None) -> Tensor:  # fmt: skip
     """``Σ_i w_i g_i``, float64 ``[V, d]``."""
     return torch.einsum("b,bvd->vd", weights.double(), embedding_grad_samples(ids, g, num_embeddings, padding_idx))
+
+
+def conv2d_grad_samples(x: Tensor, g: Tensor, weight_shape, stride, padding, dilation, groups: int) -> Tensor:
+    """Per-sample Conv2d weight gradients, float64 ``[B, *weight_shape]``: per group, ``G_iᵀ A_i`` over
+    the im2col patches ``A_i`` of ``x`` ``[B, C_in, H, W]`` (``g``: ``[B, C_out, H_out, W_out]``)."""
+    B = x.shape[0]
+    cols = F.unfold(x.double(), tuple(weight_shape[2:]), dilation=dilation, padding=padding, stride=stride)
+    cols = cols.view(B, groups, -1, cols.shape[-1])  # [B, groups, C_in/groups · kh · kw, T]
+    gg = g.double().reshape(B, groups, g.shape[1] // groups, -1)  # [B, groups, C_out/groups, T]
+    return torch.einsum("bjot,bjkt->bjok", gg, cols).reshape(B, *weight_shape)
+
+
+def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, stride, padding, dilation, groups: int,
+                 scale: Tensor | None = None, shift: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``‖S ⊙ (g_i − M)‖²`` of the per-sample Conv2d weight gradient, float64 ``[B]`` (``scale``/``shift``:
+    ``None`` or shaped like the weight)."""
+    grads = conv2d_grad_samples(x, g, weight_shape, stride, padding, dilation, groups)
+    return masked_sumsq(grads, None if scale is None else scale.double(), shift)
+
+
+def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, stride, padding, dilation,
+                        groups: int) -> Tensor:  # fmt: skip
+    """``Σ_i w_i g_i`` for a Conv2d weight, float64 ``weight_shape``."""
+    grads = conv2d_grad_samples(x, g, weight_shape, stride, padding, dilation, groups)
+    return torch.einsum("b,b...->...", weights.double(), grads)
