@@ -143,6 +143,10 @@ class _AtenLayers:
                 return ref.linear_sumsq(a, g, scale, shift)
             f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
             return cls.tiled(a, g, f32(scale), f32(shift)).double()
+        if method == "t1" and scale is None and shift is None and a.dtype != torch.float64:
+            # ‖a‖²‖g‖² (times the rank-one scale's rows): both row norms in one multi-tensor pass
+            sq = cls.rows_sumsq([a[:, 0], g[:, 0]], None if s_out is None else [s_in.float(), s_out.float()])
+            return sq[:, 0] * sq[:, 1]
         dt = _acc_dtype(a)
         a, g = a.to(dt), g.to(dt)
         if method == "t1":
@@ -154,10 +158,22 @@ class _AtenLayers:
         return sumsq.clamp_min_(0.0)
 
     @staticmethod
+    def rows_sumsq(rows, scales=None):
+        """``Σ_k (s_k x_ik)²`` per row of each ``[B, d]`` tensor (fp32/fp16/bf16), float64 ``[B, len(rows)]``:
+        the clip family's multi-tensor pass, all rows at once."""
+        return torch.ops.dpkernels_C.per_sample_sumsq(list(rows), [1.0], [], list(scales or []))
+
+    @staticmethod
     def linear_weighted_sum(a, g, weights):
+        """``(w ⊙ G)ᵀ A`` with ``w`` folded into the narrower of ``A`` and ``G`` (``Gᵀ(w ⊙ A)``)."""
         dt = _acc_dtype(a)
-        rows_g = (g.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, g.shape[-1])
-        return rows_g.T @ a.to(dt).reshape(-1, a.shape[-1])
+        a, g = a.to(dt), g.to(dt)
+        w = weights.to(dt)[:, None, None]
+        if a.shape[-1] < g.shape[-1]:
+            a = a * w
+        else:
+            g = g * w
+        return g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
 
     @staticmethod
     def embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift):
@@ -312,6 +328,12 @@ class _TritonLayers(_AtenLayers):
         from .triton_kernels.layers import linear_sumsq_tiled
 
         return linear_sumsq_tiled(a, g, scale, shift)
+
+    @staticmethod
+    def rows_sumsq(rows, scales=None):
+        from .clip import CLIP
+
+        return CLIP.kernels("triton").per_sample_sumsq([list(rows)], [1.0], None, scales)
 
     @classmethod
     def conv_tiled(cls, x, g, geom, scale, shift):

@@ -13,7 +13,7 @@ import dpkernels.layers as L
 from dpkernels.reference import layers as ref
 
 # Linear shapes (B, T, d_in, d_out): odd sizes, T = 1, B = 1, not multiples of any tile.
-SHAPES = [(5, 1, 7, 13), (1, 1, 3, 2), (3, 6, 9, 5), (2, 17, 33, 20)]
+SHAPES = [(5, 1, 7, 13), (1, 1, 3, 2), (3, 6, 9, 5), (2, 17, 33, 20), (1, 4, 6, 3)]
 # Relative tolerance against the float64 reference, by input dtype (half inputs are compared
 # against the reference on the rounded inputs: the op upcasts before any product).
 RTOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
@@ -82,7 +82,7 @@ def test_linear_two_dim_input_is_t1(backend_device):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_linear_weighted_sum(backend_device, shape, dtype):
     backend, device = backend_device
     B, T, d_in, d_out = shape
@@ -104,51 +104,101 @@ def test_empty_batch(backend_device):
     assert out.shape == (5, 4) and not out.any()
 
 
-@pytest.mark.parametrize(
-    "conv",
-    [
-        dict(kernel_size=(3, 3), stride=1, padding=1, dilation=1, groups=1),
-        dict(kernel_size=(2, 3), stride=2, padding=0, dilation=1, groups=2),
-        dict(kernel_size=(3, 3), stride=1, padding=2, dilation=2, groups=1),
-    ],
-    ids=["3x3-pad1", "2x3-s2-g2", "dil2"],
-)
-@pytest.mark.parametrize("with_scale", [False, True], ids=["noscale", "scale"])
-def test_conv2d_against_per_sample_conv_gradients(backend_device, conv, with_scale):
-    backend, device = backend_device
-    B, C_in, C_out, H, W = 3, 4, 6, 7, 6
+CONVS = {
+    "3x3-pad1": dict(kernel_size=(3, 3), stride=1, padding=1, dilation=1, groups=1),
+    "2x3-s2-g2": dict(kernel_size=(2, 3), stride=2, padding=0, dilation=1, groups=2),
+    "dil2": dict(kernel_size=(3, 3), stride=1, padding=2, dilation=2, groups=1),
+    "5x3-s21-pad21": dict(kernel_size=(5, 3), stride=(2, 1), padding=(2, 1), dilation=1, groups=1),
+    "1x1": dict(kernel_size=(1, 1), stride=1, padding=0, dilation=1, groups=1),
+}
+# (scale, shift, method): every method with and without shift; "gram" takes no scale.
+CONV_CASES = [(False, False, "auto"), (False, True, "gram"), (False, False, "gram"), (False, True, "tiled"),
+              (True, False, "tiled"), (True, True, "auto")]  # fmt: skip
+
+
+def _conv_case(device, conv, B=3, C_in=4, C_out=6, H=7, W=6, dtype=torch.float32):
     ks, stride, padding, dilation, groups = conv.values()
     weight = torch.randn(C_out, C_in // groups, *ks, device=device)
     x = torch.randn(B, C_in, H, W, device=device)
-    y = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation, groups)
-    g = torch.randn_like(y)
+    g = torch.randn_like(torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation, groups))
+    x, g = x.to(dtype), g.to(dtype)
     per_sample = torch.stack([
         torch.nn.grad.conv2d_weight(x[i : i + 1].double(), weight.shape, g[i : i + 1].double(), stride, padding,
                                     dilation, groups)
         for i in range(B)
     ])  # fmt: skip
-    scale = torch.rand(weight.shape, device=device) + 0.5 if with_scale else None
-    shift = 0.1 * torch.randn(weight.shape, device=device)
-    want = ref.masked_sumsq(per_sample, None if scale is None else scale.double(), shift.double())
-    args = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, backend=backend)
-    out = L.conv2d_sumsq(x, g, weight.shape, scale=scale, shift=shift, **args)
+    return x, g, weight.shape, per_sample, dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
+@pytest.mark.parametrize("conv", list(CONVS.values()), ids=list(CONVS))
+@pytest.mark.parametrize("with_scale, with_shift, method", CONV_CASES, ids=lambda v: str(v))
+def test_conv2d_against_per_sample_conv_gradients(backend_device, conv, with_scale, with_shift, method):
+    backend, device = backend_device
+    x, g, wshape, per_sample, geom = _conv_case(device, conv)
+    scale = torch.rand(wshape, device=device) + 0.5 if with_scale else None
+    shift = 0.1 * torch.randn(wshape, device=device) if with_shift else None
+    want = ref.masked_sumsq(per_sample, None if scale is None else scale.double(), shift)
+    out = L.conv2d_sumsq(x, g, wshape, scale=scale, shift=shift, method=method, backend=backend, **geom)
     _check_sumsq(out, want, 1e-4)
-    w = torch.rand(B, device=device)
-    s = L.conv2d_weighted_sum(x, g, w, weight.shape, **args)
-    torch.testing.assert_close(s.double().cpu(), torch.einsum("b,b...->...", w.double(), per_sample).cpu(),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(out, ref.conv2d_sumsq(x, g, wshape, *geom.values(), scale, shift), rtol=1e-4, atol=0)
+    w = torch.rand(x.shape[0], device=device)
+    s = L.conv2d_weighted_sum(x, g, w, wshape, backend=backend, **geom)
+    assert s.dtype == torch.float32 and s.shape == wshape
+    want_s = torch.einsum("b,b...->...", w.double(), per_sample)
+    torch.testing.assert_close(s.double().cpu(), want_s.cpu(), rtol=1e-5, atol=1e-5 * float(want_s.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["tiled", "gram"])
+def test_conv2d_half_inputs(backend_device, dtype, method):
+    backend, device = backend_device
+    x, g, wshape, per_sample, geom = _conv_case(device, CONVS["2x3-s2-g2"], dtype=dtype)
+    shift = 0.1 * torch.randn(wshape, device=device)
+    want = ref.masked_sumsq(per_sample, None, shift)
+    out = L.conv2d_sumsq(x, g, wshape, shift=shift, method=method, backend=backend, **geom)
+    _check_sumsq(out, want, RTOL[dtype] if method == "tiled" else 1e-3)
+    w = torch.rand(x.shape[0], device=device)
+    s = L.conv2d_weighted_sum(x, g, w, wshape, backend=backend, **geom)
+    want_s = torch.einsum("b,b...->...", w.double(), per_sample)
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s.double().cpu(), want_s.cpu(), rtol=1e-5, atol=1e-5 * float(want_s.abs().max()))
+
+
+def test_conv2d_one_sample_channels_last(backend_device):
+    """B = 1 and a channels_last input (not contiguous in NCHW): read as the same convolution."""
+    backend, device = backend_device
+    x, g, wshape, per_sample, geom = _conv_case(device, CONVS["3x3-pad1"], B=1, C_in=5, C_out=3, H=9, W=8)
+    x, g = x.to(memory_format=torch.channels_last), g.to(memory_format=torch.channels_last)
+    scale = torch.rand(wshape, device=device) + 0.5
+    for method, sc in (("tiled", scale), ("gram", None)):
+        want = ref.masked_sumsq(per_sample, None if sc is None else sc.double(), None)
+        _check_sumsq(L.conv2d_sumsq(x, g, wshape, scale=sc, method=method, backend=backend, **geom), want, 1e-4)
+    w = torch.rand(1, device=device)
+    s = L.conv2d_weighted_sum(x, g, w, wshape, backend=backend, **geom)
+    torch.testing.assert_close(s.double().cpu(), (w.double() * per_sample[0]).cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_conv2d_gram_chunks_samples(backend_device, monkeypatch):
+    """The Gram form builds patches a chunk of samples at a time: every chunk size gives the same norms."""
+    backend, device = backend_device
+    x, g, wshape, per_sample, geom = _conv_case(device, CONVS["3x3-pad1"], B=5)
+    want = ref.masked_sumsq(per_sample, None, None)
+    monkeypatch.setattr(L, "_PATCH_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(L, "_GRAM_CHUNK_ELEMS", 1)
+    _check_sumsq(L.conv2d_sumsq(x, g, wshape, method="gram", backend=backend, **geom), want, 1e-4)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 2])
 @pytest.mark.parametrize("with_scale_shift", [False, True], ids=["plain", "scale-shift"])
-def test_embedding(backend_device, padding_idx, with_scale_shift):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_embedding(backend_device, padding_idx, with_scale_shift, dtype):
     backend, device = backend_device
     V, d, B, T = 11, 5, 4, 9
     ids = torch.randint(0, V, (B, T), device=device)
     ids[0, :3] = 4  # repeated ids within a sample are summed before squaring
     if padding_idx is not None:
         ids[1, 1] = padding_idx
-    g = torch.randn(B, T, d, device=device)
+    g = torch.randn(B, T, d, device=device).to(dtype)
     scale = torch.rand(V, d, device=device) + 0.5 if with_scale_shift else None
     shift = 0.2 * torch.randn(V, d, device=device) if with_scale_shift else None
     want = ref.embedding_sumsq(ids, g, V, padding_idx, scale, shift)
@@ -156,6 +206,7 @@ def test_embedding(backend_device, padding_idx, with_scale_shift):
     _check_sumsq(out, want, 1e-5)
     w = torch.rand(B, device=device)
     s = L.embedding_weighted_sum(ids, g, w, V, padding_idx=padding_idx, backend=backend)
+    assert s.dtype == torch.float32
     want_s = ref.embedding_weighted_sum(ids, g, w, V, padding_idx)
     torch.testing.assert_close(s.double().cpu(), want_s.cpu(), rtol=1e-5, atol=1e-6)
 
@@ -185,6 +236,18 @@ def test_embedding_expanded_position_ids(backend_device):
         (lambda: L.linear_weighted_sum(torch.randn(3, 4), torch.randn(3, 5), torch.ones(2)), ValueError, r"\[B\]"),
         (lambda: L.embedding_sumsq(torch.tensor([[0, 7]]), torch.randn(1, 2, 3), 5), ValueError, "token ids"),
         (lambda: L.embedding_sumsq(torch.tensor([[0, 1]]), torch.randn(1, 3, 3), 5), ValueError, "g must be"),
+        (lambda: L.conv2d_sumsq(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5), (3, 5, 3, 3), padding=1), ValueError,
+         "weight_shape"),
+        (lambda: L.conv2d_sumsq(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 4, 5), (3, 4, 3, 3), padding=1), ValueError,
+         "output size"),
+        (lambda: L.conv2d_sumsq(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5), (3, 4, 3, 3), padding="same"),
+         ValueError, "numeric"),
+        (lambda: L.conv2d_sumsq(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5), (3, 4, 3, 3), padding=1,
+                                scale=torch.ones(3, 4, 3, 3), method="gram"), ValueError, "no scale"),
+        (lambda: L.conv2d_sumsq(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5), (3, 4, 3, 3), padding=1,
+                                shift=torch.ones(3, 4, 3)), ValueError, "dimensions"),
+        (lambda: L.conv2d_weighted_sum(torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5), torch.ones(3), (3, 4, 3, 3),
+                                       padding=1), ValueError, r"\[B\]"),
     ],
 )  # fmt: skip
 def test_bad_input_raises(call, exc, match):
