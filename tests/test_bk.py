@@ -179,6 +179,42 @@ def test_shift_scale_and_per_layer(backend_device, name, mode):
         bk.unwrap()
 
 
+class Strided(nn.Module):
+    """Every layer fed a non-contiguous input: a channels_last conv input, a transposed Linear input,
+    a strided LayerNorm input, expanded position ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.lin, self.ln, self.rms = nn.Linear(5, 6), nn.LayerNorm(6), nn.RMSNorm(6)
+        self.pos, self.head = nn.Embedding(3, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.gn(self.conv(x.contiguous(memory_format=torch.channels_last))).mean(1)  # [B, 5, 5]
+        h = self.ln(self.lin(h.transpose(1, 2))[:, ::2])  # [B, 3, 6]
+        pos = torch.arange(3)[None].expand(x.shape[0], 3)
+        return self.head(self.rms(h + self.pos(pos)).mean(1))
+
+
+def _loop_grad_samples(model, x, y):
+    """Per-sample gradients of the per-sample loss, one backward per sample: the reference for layouts
+    Opacus's grad samplers mishandle (a channels_last conv input)."""
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(_loss(model(x[i : i + 1]), y[i : i + 1]), params) for i in range(x.shape[0])]
+    return [torch.stack(col) for col in zip(*rows, strict=True)]
+
+
+def test_non_contiguous_inputs_against_per_sample_autograd(backend_device):
+    backend, _ = backend_device
+    torch.manual_seed(0)
+    model = Strided()
+    x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 3, (4,))
+    want_s, want_n = dpkernels.clip_and_accumulate(_loop_grad_samples(model, x, y), 0.5, backend="reference")
+    sums, norms = _bk_run(model, [(x, y)]).clip_and_accumulate(0.5, backend=backend)
+    torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
+    _close_sums(sums, [s.float() for s in want_s])
+
+
 def test_gradient_accumulation_and_sum_reduction(backend_device):
     """Two forward/backward passes before one clip: distinct samples, as Opacus's grad_sample list."""
     backend, _ = backend_device
@@ -251,6 +287,7 @@ def test_unwrap_restores_the_model():
 SETUPS = {
     "dpsgd": (lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5), {}),
     "dpsgd-auto_s": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"mode": "auto_s"}),
+    "dpsgd-auto_v": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"mode": "auto_v"}),
     "psac": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"r": 0.1}),
     "dp2": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"s1": 2, "s2": 2, "lr2": 0.05}),
     "pmlf": (lambda ps: torch.optim.SGD(ps, lr=0.5), {"k": 3}),
@@ -261,13 +298,21 @@ SETUPS = {
 }
 
 
-def _train(setup, mode, steps=10):
+def _train(setup, mode, steps=10, arch="mlp"):
+    """10 steps of ``make_private(algorithm=...)`` in ``grad_sample_mode=mode``: the final parameters and ε.
+    ``arch``: an MLP with LayerNorm (T = 1), or a CNN with GroupNorm whose convs take every norm
+    method (dense scale and shift through the tiled product, Gram otherwise)."""
     algorithm = setup.split("-")[0]
     make_opt, kw = SETUPS[setup]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8 * steps, 10, generator=g)
+    if arch == "mlp":
+        model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+        x = torch.randn(8 * steps, 10, generator=g)
+    else:
+        model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.Conv2d(4, 4, 3),
+                              nn.Flatten(), nn.Linear(4 * 3 * 3, 3))  # fmt: skip
+        x = torch.randn(8 * steps, 2, 5, 5, generator=g)
     y = torch.randint(0, 3, (8 * steps,), generator=g)
     pe = PrivacyEngine(accountant="rdp")
     module, opt, loader = pe.make_private(
@@ -286,6 +331,16 @@ def _train(setup, mode, steps=10):
 def test_make_private_bk_follows_per_sample_mode(setup):
     want, eps_hooks = _train(setup, "hooks")
     got, eps_bk = _train(setup, "bk")
+    assert eps_bk == eps_hooks
+    for p, q in zip(got, want, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("setup", ["stp", "macadam", "pmlf"])
+def test_make_private_bk_cnn_follows_per_sample_mode(setup):
+    """The scale (stp, macadam) and shift (macadam) reach the conv norms, and pmlf's k sets the convs."""
+    want, eps_hooks = _train(setup, "hooks", arch="cnn")
+    got, eps_bk = _train(setup, "bk", arch="cnn")
     assert eps_bk == eps_hooks
     for p, q in zip(got, want, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
@@ -330,3 +385,38 @@ def test_accelerate_ghost_runs_one_backward():
     assert passes_opacus == 2 and passes == 1
     for p, q in zip(got, want, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _ghost_accelerated_params(micro: int, sigma: float, steps=3):
+    """accelerate(ghost optimizer, criterion=...) with each step's batch of 8 split into ``micro``
+    micro-batches (one backward each, clipped sums added into p.grad): the final parameters."""
+    from opacus import PrivacyEngine as OpacusPrivacyEngine
+
+    from dpkernels.integrations.opacus import accelerate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * steps, 10, generator=g), torch.randint(0, 3, (8 * steps,), generator=g)
+    module, opt, crit, _ = OpacusPrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=sigma, max_grad_norm=0.3,
+        poisson_sampling=False, grad_sample_mode="ghost",
+    )  # fmt: skip
+    accelerate(opt, backend="cpu", seed=5, criterion=crit)
+    for xb, yb in zip(x.split(8), y.split(8), strict=True):
+        opt.zero_grad()
+        for xm, ym in zip(xb.chunk(micro), yb.chunk(micro), strict=True):
+            crit(module(xm), ym).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_accelerate_ghost_accumulates_micro_batches_with_the_same_noise():
+    """Two micro-batches per step (which Opacus's ghost mode cannot run) give the one-batch step, with
+    σ = 1: per-sample norms never cross samples, and the step's noise is the same stream."""
+    want = _ghost_accelerated_params(1, 1.0)
+    got = _ghost_accelerated_params(2, 1.0)
+    for p, q in zip(got, want, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(p, q) for p, q in zip(want, _ghost_accelerated_params(1, 0.0), strict=True))

@@ -332,6 +332,33 @@ def test_gradient_accumulation_list():
     assert pe.accountant.history == [(1.0, 2 / 16, 3)]
 
 
+@pytest.mark.parametrize("algorithm", ["dpsgd", "dpadam", "macadam"])
+def test_bk_gradient_accumulation_matches_hooks(algorithm):
+    """grad_sample_mode="bk" with two backward passes per step (what Opacus's ghost mode cannot do)
+    takes the step that hooks mode takes on the same micro-batches, and is accounted the same."""
+    make_opt, algo_kwargs = SETUPS[algorithm]
+    batches = _fixed_batches(n_steps=6, batch=16)
+    runs = []
+    for mode in ("hooks", "bk"):
+        model = _model()
+        pe = PrivacyEngine(accountant="rdp")
+        module, opt, _ = pe.make_private(
+            **_args(module=model, optimizer=make_opt(model.parameters()),
+                    data_loader=DataLoader(_data(), batch_size=16)),
+            poisson_sampling=False, algorithm=algorithm, backend="cpu", seed=3, grad_sample_mode=mode, **algo_kwargs,
+        )  # fmt: skip
+        for i in range(0, len(batches), 2):
+            opt.zero_grad()
+            for x, y in batches[i : i + 2]:
+                nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+        runs.append(([p.detach().clone() for p in model.parameters()], pe.accountant.history))
+    (hooks, hist_hooks), (bk, hist_bk) = runs
+    assert hist_bk == hist_hooks == [(1.0, 2 / 16, 3)]
+    for p, q in zip(bk, hooks, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("algorithm", ["dpsgd", "macadam"])
 def test_make_private_with_epsilon_matches_opacus(algorithm):
     make_opt, algo_kwargs = SETUPS[algorithm]
@@ -358,20 +385,22 @@ def test_make_private_with_epsilon_matches_opacus(algorithm):
         pe.make_private_with_epsilon(**_args(), target_epsilon=3.0, target_delta=DELTA, epochs=2, correlated_noise=mech)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_empty_poisson_batch_is_a_noise_only_step(algorithm):
+def test_empty_poisson_batch_is_a_noise_only_step(algorithm, mode):
     """Poisson sampling can draw an empty batch: the step still runs (noise only) and is accounted."""
     make_opt, algo_kwargs = SETUPS[algorithm]
     model = _model()
     pe = PrivacyEngine(accountant="rdp")
     module, opt, _ = pe.make_private(
         **_args(module=model, optimizer=make_opt(model.parameters())), algorithm=algorithm, backend="cpu", seed=2,
-        **algo_kwargs,
+        grad_sample_mode=mode, **algo_kwargs,
     )  # fmt: skip
     x, y = torch.zeros(0, 10), torch.zeros(0, dtype=torch.long)
     before = [p.detach().clone() for p in module.parameters()]
     nn.functional.cross_entropy(module(x), y, reduction="sum").backward()
-    assert next(module.parameters()).grad_sample.shape[0] == 0
+    if mode == "hooks":
+        assert next(module.parameters()).grad_sample.shape[0] == 0
     opt.step(batch=(x, y)) if algorithm == "pmlf" else opt.step()
     for p, b in zip(module.parameters(), before, strict=True):
         assert torch.isfinite(p).all() and not torch.equal(p, b)
@@ -417,10 +446,11 @@ def test_step_validates_opacus_attributes(backend, attr, value, match):
     assert pe.accountant.history == [(1.0, 1 / 8, 1)]
 
 
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
 @pytest.mark.parametrize("algorithm", ["dpsgd", "dp2", "macadam"])
-def test_failed_step_is_not_accounted(algorithm):
-    """A step that raises (a NaN per-sample gradient) changes nothing and is not accounted; the retry
-    on a good batch is the step the run would have taken."""
+def test_failed_step_is_not_accounted(algorithm, mode):
+    """A step that raises (a NaN per-sample gradient: a non-finite loss for one sample) changes nothing
+    and is not accounted; the retry on a good batch is the step the run would have taken."""
     make_opt, algo_kwargs = SETUPS[algorithm]
     runs = []
     for fail in (False, True):
@@ -428,7 +458,7 @@ def test_failed_step_is_not_accounted(algorithm):
         pe = PrivacyEngine(accountant="rdp")
         module, opt, _ = pe.make_private(
             **_args(module=model, optimizer=make_opt(model.parameters())), algorithm=algorithm, backend="cpu",
-            seed=2, **algo_kwargs,
+            seed=2, grad_sample_mode=mode, **algo_kwargs,
         )  # fmt: skip
         if fail:
             _one_batch(module, algorithm, nan=True)

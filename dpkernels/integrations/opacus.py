@@ -411,7 +411,11 @@ class _BKTensor(DPTensorFastGradientClipping):
         opt = self.optimizer
         bk = opt._dpk_bk
         params = bk.trainable_parameters()
+        # Kept aside during backward: autograd adds the non-private gradient of the layers BK does not
+        # wrap (norm layers) into an existing .grad in place, which would leak into the sum.
         before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         reduced = self.loss_per_sample.mean(0) if self.loss_reduction == "mean" else self.loss_per_sample.sum(0)
         try:
             reduced.backward()
