@@ -23,7 +23,8 @@ case over im2col patches (:func:`conv2d_sumsq`), Embedding a segment sum over (s
 Backends (op family ``layers``): ``reference`` materialises per-sample gradients in float64
 (dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
 and the tiled product as the native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp,
-csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernels/layers.py).
+csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernels/layers.py). The
+tiled product of a conv reads its patches in place (implicit im2col) on ``cpu`` and ``triton``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ LINEAR_METHODS = ("auto", "t1", "gram", "tiled")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Gram matrices of at most this many elements per chunk of samples (bounds the [b, T, T] buffers).
 _GRAM_CHUNK_ELEMS = 1 << 24
-# A conv's explicit im2col patches (Gram form, Triton) are built a chunk of samples at a time, at
+# A conv's explicit im2col patches (Gram form) are built a chunk of samples at a time, at
 # most max(this, the input's size) elements per chunk: kh·kw times the input would otherwise double
 # a small CNN's peak memory.
 _PATCH_CHUNK_ELEMS = 1 << 18
@@ -335,11 +336,12 @@ class _TritonLayers(_AtenLayers):
 
         return CLIP.kernels("triton").per_sample_sumsq([list(rows)], [1.0], None, scales)
 
-    @classmethod
-    def conv_tiled(cls, x, g, geom, scale, shift):
-        """The Triton tiled product over explicit patches, a chunk of samples at a time."""
-        parts = [cls.tiled(a.contiguous(), gg.contiguous(), scale, shift) for a, gg in _patch_chunks(x, g, geom)]
-        return torch.cat(parts)
+    @staticmethod
+    def conv_tiled(x, g, geom, scale, shift):
+        """One group's tiled norms in Triton, read from ``x`` and ``g`` in place (implicit im2col)."""
+        from .triton_kernels.layers import conv2d_sumsq_tiled
+
+        return conv2d_sumsq_tiled(x, g, geom.kernel_size, geom.stride, geom.padding, geom.dilation, scale, shift)
 
 
 if _backend.has_cpu_kernels():
@@ -644,7 +646,7 @@ def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dil
         stride, padding, dilation, groups: the layer's (ints or pairs; numeric padding).
         scale, shift: ``None`` or shaped like the weight (a dense scale).
         method: ``"tiled"`` (the per-sample product with the scale/shift/square epilogue, the
-            patches read in place on ``cpu``/``cuda``: implicit im2col), ``"gram"`` (no scale; the
+            patches read in place on ``cpu`` and ``triton``: implicit im2col), ``"gram"`` (no scale; the
             Gram form over patches built a chunk of samples at a time), or ``"auto"`` (Gram where
             its flops are at most :data:`GRAM_CROSSOVER` of the tiled product's, as for Linear).
 

@@ -10,10 +10,11 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    128-bit vectors (and load with them when adding in place). The filter kernel (linear_filter_)
    must use no local memory, and its aligned variants must load and store 128 bits wide; so must the fused
    optimizer step kernel (stores: in its fp32-parameter variants), compiled with the options its launcher
-   passes (no FMA contraction). The BK linear-layer norm kernel (``triton_kernels/layers.py``, its
-   launch configs and pipeline depth) must use no local memory, and its variants whose rows are
-   16-byte aligned must load 128 bits wide (its pipelined tile loads are 16-byte ``cp.async``
-   copies into shared memory, counted as 128-bit loads). Registers and spills come from
+   passes (no FMA contraction). The BK layer norm kernel (``triton_kernels/layers.py``, its
+   linear and Conv2d launch configs and pipeline depth) must use no local memory, and its variants
+   whose rows are 16-byte aligned (linear: rows of ``a``; conv: ``g``'s channel planes) must load
+   128 bits wide (its pipelined tile loads are 16-byte ``cp.async`` copies into shared memory,
+   counted as 128-bit loads). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
    build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
@@ -100,8 +101,10 @@ def _requirements(kernel: str, consts: dict) -> dict:
         fp32 = consts.get("ELEM") is None or consts["ELEM"].primitive_bitwidth == 32
         return {"loads_128": aligned, "stores_128": aligned and (kernel == "_filter_kernel" or fp32), "no_local": True}
     if kernel in LAYER_KERNELS:
-        # Rows of a (and of scale/shift) start 16-byte aligned when VEC_IN > 1.
-        return {"loads_128": consts["VEC_IN"] > 1, "stores_128": False, "no_local": True}
+        # Linear: rows of a (and of scale/shift) start 16-byte aligned when VEC_IN > 1. Conv: the
+        # patches are gathered element by element; g's channel planes are aligned when VEC_OUT > 1.
+        aligned = consts["VEC_OUT" if consts["IS_CONV"] else "VEC_IN"] > 1
+        return {"loads_128": aligned, "stores_128": False, "no_local": True}
     return {"loads_128": False, "stores_128": False, "no_local": False}
 
 
@@ -246,35 +249,52 @@ def _triton_specs():
 
 
 def _layer_specs():
-    """The BK linear-layer norm kernel (triton_kernels/layers.py) with the tile configs its launcher
-    uses on a GPU: fp32 (IEEE FMA dots) and 16-bit (tensor cores), with and without shift+scale,
-    and rows that are not 16-byte aligned (``d_out`` of a vocabulary head; ``d_in`` too)."""
+    """The BK layer norm kernel (triton_kernels/layers.py) with the tile configs its launchers use on
+    a GPU: linear inputs in fp32 (IEEE FMA dots) and 16-bit (tensor cores), with and without
+    shift+scale, and rows that are not 16-byte aligned (``d_out`` of a vocabulary head; ``d_in``
+    too); Conv2d inputs (``IS_CONV``, implicit im2col) in fp32 and bf16 with every geometry argument
+    a runtime int, and a 3x3 stride-1 padding-1 conv whose ones the JIT specialises to constants
+    (``g``'s planes unaligned: ``T = 7·7``)."""
     import torch
     import triton.language as tl
     from dpkernels.triton_kernels import layers as ly
 
-    dtypes = {name: (tl_dtype, ly.LINEAR_BLOCKS[dtype]) for name, tl_dtype, dtype in (
-        ("fp32", tl.float32, torch.float32), ("bf16", tl.bfloat16, torch.bfloat16), ("fp16", tl.float16, torch.float16)
-    )}  # fmt: skip
-    variants = [  # name, dtype, shift+scale, d_in aligned, d_out aligned
-        ("fp32", "fp32", False, True, True),
-        ("fp32 shift+scale", "fp32", True, True, True),
-        ("fp32 shift+scale unaligned", "fp32", True, False, False),
-        ("bf16", "bf16", False, True, True),
-        ("bf16 shift+scale", "bf16", True, True, True),
-        ("bf16 shift+scale d_out unaligned", "bf16", True, True, False),
-        ("fp16 shift+scale", "fp16", True, True, True),
+    blocks_of = {"linear": ly.LINEAR_BLOCKS, "conv": ly.CONV_BLOCKS}
+    dtypes = {"fp32": (tl.float32, torch.float32), "bf16": (tl.bfloat16, torch.bfloat16),
+              "fp16": (tl.float16, torch.float16)}  # fmt: skip
+    conv_args = ("H", "W", "W_out", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w",
+                 "a_stride_b", "a_stride_c", "g_stride_b", "g_stride_c")  # fmt: skip
+    # Arguments a 3x3, stride 1, padding 1, dilation 1 conv passes as 1 (constexprs in the JIT).
+    s1p1 = ("stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
+    variants = [  # name, dtype, shift+scale, rows of a (linear) or scale (conv) aligned, rows of g aligned, ones
+        ("fp32", "fp32", False, True, True, None),
+        ("fp32 shift+scale", "fp32", True, True, True, None),
+        ("fp32 shift+scale unaligned", "fp32", True, False, False, None),
+        ("bf16", "bf16", False, True, True, None),
+        ("bf16 shift+scale", "bf16", True, True, True, None),
+        ("bf16 shift+scale d_out unaligned", "bf16", True, True, False, None),
+        ("fp16 shift+scale", "fp16", True, True, True, None),
+        ("fp32 conv", "fp32", False, True, True, ()),
+        ("fp32 conv shift+scale", "fp32", True, True, True, ()),
+        ("fp32 conv 3x3 s1 p1 shift+scale unaligned", "fp32", True, False, False, s1p1),
+        ("bf16 conv", "bf16", False, True, True, ()),
+        ("bf16 conv shift+scale", "bf16", True, True, True, ()),
+        ("bf16 conv 3x3 s1 p1 shift+scale unaligned", "bf16", True, False, False, s1p1),
     ]
     specs = []
-    for variant, name, ss, in_aligned, out_aligned in variants:
-        elem, blocks = dtypes[name]
+    for variant, name, ss, in_aligned, out_aligned, ones in variants:
+        is_conv = ones is not None
+        elem, dtype = dtypes[name]
+        blocks = blocks_of["conv" if is_conv else "linear"][dtype]
         sig = dict(a_ptr=f"*{name}", g_ptr=f"*{name}", scale_ptr="*fp32", shift_ptr="*fp32", partial_ptr="*fp32")
         sig.update(T="i32", d_in="i32", d_out="i32", tiles_k="i32", n_tiles="i32", row0="i32")
+        sig.update({n: "i32" for n in conv_args if n not in (ones or ())})
         vec = 128 // elem.primitive_bitwidth
         consts = dict(
-            HAS_SCALE=ss, HAS_SHIFT=ss, BLOCK_O=blocks.BLOCK_O, BLOCK_K=blocks.BLOCK_K, BLOCK_T=blocks.BLOCK_T,
-            VEC_IN=vec if in_aligned else 1, VEC_OUT=vec if out_aligned else 1,
+            HAS_SCALE=ss, HAS_SHIFT=ss, IS_CONV=is_conv, BLOCK_O=blocks.BLOCK_O, BLOCK_K=blocks.BLOCK_K,
+            BLOCK_T=blocks.BLOCK_T, VEC_IN=vec if in_aligned else 1, VEC_OUT=vec if out_aligned else 1,
         )  # fmt: skip
+        consts.update({n: 1 for n in ones or ()})
         specs.append((ly._linear_sumsq_kernel, variant, sig, consts, blocks.num_warps))
     return specs
 
