@@ -32,10 +32,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "dpkernels/clip_layout.h"
 #include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "stream_cpu.h"
@@ -316,7 +318,7 @@ template <typename MakeOps>
 at::Tensor tiled_sumsq(const LinearShape& s, at::ScalarType dtype, int64_t element_size,
                        const at::TensorOptions& options, const std::optional<at::Tensor>& scale,
                        const std::optional<at::Tensor>& shift, const MakeOps& make_ops) {
-  auto out = at::empty({s.B}, options.dtype(at::kFloat));
+  auto out = new_output({s.B}, options.dtype(at::kFloat));
   if (s.B == 0) return out;
   if (s.d_in == 0 || s.d_out == 0) return out.zero_();
   const Epilogue ep{shift ? shift->const_data_ptr<float>() : nullptr,
@@ -353,7 +355,8 @@ at::Tensor tiled_sumsq(const LinearShape& s, at::ScalarType dtype, int64_t eleme
     task_block(t, i0, o0, bo, k0, bk);
     cost[t] = std::min(per, s.B - i0) * (std::max<int64_t>(s.T, 1) + 1) * bo * bk;
   }
-  std::vector<double> partial(s.B * blocks);
+  // NaN until written: a block a task missed would poison its sample's norm, never read as 0.
+  std::vector<double> partial(s.B * blocks, std::numeric_limits<double>::quiet_NaN());
   const bool has_shift = shift.has_value(), has_scale = scale.has_value();
   DPK_DISPATCH_GRAD_TYPES(dtype, "tiled_sumsq", [&] {
     const auto ops = make_ops(scalar_t{});
