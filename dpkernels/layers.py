@@ -24,7 +24,7 @@ Backends (op family ``layers``): ``reference`` materialises per-sample gradients
 (dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
 and the tiled product as the native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp,
 csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernels/layers.py). The
-tiled product of a conv reads its patches in place (implicit im2col) on ``cpu`` and ``triton``.
+tiled product of a conv reads its patches in place (implicit im2col) on every backend but ``reference``.
 """
 
 from __future__ import annotations
@@ -646,7 +646,7 @@ def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dil
         stride, padding, dilation, groups: the layer's (ints or pairs; numeric padding).
         scale, shift: ``None`` or shaped like the weight (a dense scale).
         method: ``"tiled"`` (the per-sample product with the scale/shift/square epilogue, the
-            patches read in place on ``cpu`` and ``triton``: implicit im2col), ``"gram"`` (no scale; the
+            patches read in place on ``cpu``, ``cuda`` and ``triton``: implicit im2col), ``"gram"`` (no scale; the
             Gram form over patches built a chunk of samples at a time), or ``"auto"`` (Gram where
             its flops are at most :data:`GRAM_CROSSOVER` of the tiled product's, as for Linear).
 

@@ -1,6 +1,7 @@
 """Static checks of the real GPU code, without a GPU: every Triton kernel compiles ahead of time
 for sm_80/sm_90 with 128-bit loads in the streaming kernels and no local memory, and the CUDA
-sources compile for both with zero spills (tools/gpu_static_check.py)."""
+sources compile for both with zero spills and every required instantiation
+(tools/gpu_static_check.py)."""
 
 import importlib.util
 import shutil
@@ -34,3 +35,20 @@ def test_cuda_sources_compile_without_spills():
     res = tool.check_cuda()
     assert res["status"] == "ok", res
     assert res["sources"], "no CUDA source was compiled"
+
+
+def test_required_cuda_kernels_are_counted():
+    """A source that compiles fewer instantiations than REQUIRED_CUDA_KERNELS lists (a launcher that
+    stopped instantiating the Conv2d layout, say) fails the check; no nvcc needed."""
+    tool = _tool()
+    required = tool.REQUIRED_CUDA_KERNELS["csrc/cuda/layers.cu"]
+    kernels = []
+    for prefix, n in required.items():
+        for arch in ("sm_80", "sm_90"):
+            kernels += [{"kernel": f"{prefix}{j}>", "arch": arch, "entry": True} for j in range(n)]
+    assert tool.required_kernel_problems("csrc/cuda/layers.cu", kernels, (80, 90)) == []
+    conv = "tiled_sumsq_kernel<dpkernels::ConvLayout<"
+    fewer = [k for k in kernels if not (k["arch"] == "sm_90" and k["kernel"] == f"{conv}0>")]
+    problems = tool.required_kernel_problems("csrc/cuda/layers.cu", fewer, (80, 90))
+    assert len(problems) == 1 and conv in problems[0] and "sm_90" in problems[0]
+    assert tool.required_kernel_problems("csrc/cuda/other.cu", [], (80, 90)) == []

@@ -1,14 +1,15 @@
-"""The native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu)
-against the float64 reference ``dpkernels.reference.layers.linear_sumsq``: odd shapes (block and
-chunk edges included), every dtype, with and without scale and shift, determinism, bad input, and
-opcheck with the fake kernel registered in ``dpkernels/layers.py``."""
+"""The native ops ``dpkernels_C::linear_sumsq_tiled`` and ``dpkernels_C::conv2d_sumsq_tiled``
+(csrc/cpu/layers.cpp, csrc/cuda/layers.cu) against the float64 references
+``dpkernels.reference.layers.linear_sumsq`` and ``conv2d_sumsq``: odd shapes (block, tile and chunk
+edges included), every dtype, with and without scale and shift, strided channel views, determinism,
+bad input, and opcheck with the fake kernels registered in ``dpkernels/layers.py``."""
 
 import pytest
 import torch
 
 import dpkernels  # noqa: F401  (loads dpkernels._C)
 from dpkernels import _backend
-from dpkernels.reference.layers import linear_sumsq
+from dpkernels.reference.layers import conv2d_sumsq, linear_sumsq
 
 pytestmark = pytest.mark.skipif(
     not _backend.has_cpu_kernels() or not hasattr(torch.ops.dpkernels_C, "linear_sumsq_tiled"),
@@ -16,10 +17,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _devices():
-    cuda_ok = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "dpkernels_C::linear_sumsq_tiled", "CUDA"
-    )
+def _devices(op="linear_sumsq_tiled"):
+    cuda_ok = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(f"dpkernels_C::{op}", "CUDA")
     return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok, reason="no CUDA kernel or GPU"))]
 
 
@@ -148,6 +147,99 @@ def test_opcheck():
     op = torch.ops.dpkernels_C.linear_sumsq_tiled.default
     for args in ((a, g, sc, sh), (a, g, None, None), (a.bfloat16(), g.bfloat16(), None, sh)):
         # test_aot_dispatch_dynamic needs a backward; the op is not differentiable.
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# conv2d_sumsq_tiled. (B, C, H, W, O, kernel, stride, padding, dilation): a 3x3 "same" conv; more than
+# one CUDA tile along d_in = C kh kw (81) and d_out (70), T = 90 ending inside a 16-position chunk;
+# stride and dilation on both axes, asymmetric kernel and padding; a 1x1 conv; padding past the
+# kernel's reach (output positions whose patch lies wholly outside the image).
+CONV_SHAPES = [
+    (2, 3, 7, 6, 5, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (2, 9, 10, 9, 70, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 8, 9, 11, 6, (2, 3), (2, 1), (0, 2), (1, 1)),
+    (3, 4, 8, 8, 7, (3, 3), (2, 2), (2, 2), (2, 2)),
+    (2, 5, 4, 6, 3, (1, 1), (1, 1), (0, 0), (1, 1)),
+    (1, 2, 3, 3, 4, (2, 2), (1, 1), (3, 3), (1, 1)),
+]
+
+
+def _conv_out(size, k, s, p, d):
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _conv_inputs(shape, dtype, device, scale, shift, seed=0, extra_channels=0):
+    """x and g; with extra_channels, channel slices of larger tensors (batch stride != C H W)."""
+    B, C, H, W, C_out, ks, st, pd, dl = shape
+    gen = torch.Generator().manual_seed(seed)
+    Ho, Wo = _conv_out(H, ks[0], st[0], pd[0], dl[0]), _conv_out(W, ks[1], st[1], pd[1], dl[1])
+    e = extra_channels
+    x = torch.randn(B, C + 2 * e, H, W, generator=gen).to(dtype)[:, e : e + C]
+    g = torch.randn(B, C_out + 2 * e, Ho, Wo, generator=gen).to(dtype)[:, e : e + C_out]
+    sc = torch.rand(C_out, C * ks[0] * ks[1], generator=gen) + 0.5 if scale else None
+    sh = 0.3 * torch.randn(C_out, C * ks[0] * ks[1], generator=gen) if shift else None
+    return _to(x, device), _to(g, device), _to(sc, device), _to(sh, device)
+
+
+def _conv_op(x, g, shape, sc=None, sh=None):
+    ks, st, pd, dl = shape[5:]
+    return torch.ops.dpkernels_C.conv2d_sumsq_tiled(x, g, ks, st, pd, dl, sc, sh)
+
+
+def _conv_reference(x, g, shape, sc, sh):
+    C_out, ks, st, pd, dl = shape[4:]
+    w = (C_out, x.shape[1], *ks)
+    sc, sh = (None if t is None else t.cpu().reshape(w) for t in (sc, sh))
+    return conv2d_sumsq(x.float().cpu(), g.float().cpu(), w, st, pd, dl, 1, sc, sh)
+
+
+@pytest.mark.parametrize("device", _devices("conv2d_sumsq_tiled"))
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-k{s[5][0]}{s[5][1]}")
+def test_conv_matches_reference(shape, dtype, device):
+    for scale in (False, True):
+        for shift in (False, True):
+            x, g, sc, sh = _conv_inputs(shape, dtype, device, scale, shift)
+            out = _conv_op(x, g, shape, sc, sh)
+            assert out.dtype == torch.float32 and out.shape == (shape[0],) and out.device == x.device
+            torch.testing.assert_close(
+                out.cpu().double(),
+                _conv_reference(x, g, shape, sc, sh),
+                rtol=RTOL[dtype],
+                atol=1e-30,
+                msg=lambda m, s=scale, h=shift: f"scale={s} shift={h}: {m}",
+            )
+
+
+@pytest.mark.parametrize("device", _devices("conv2d_sumsq_tiled"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv_channel_slices(dtype, device):
+    """x and g read in place as channel slices (a group's view): batch and channel strides are free."""
+    shape = CONV_SHAPES[1]
+    x, g, sc, sh = _conv_inputs(shape, dtype, device, True, True, seed=3, extra_channels=2)
+    assert not x.is_contiguous() and not g.is_contiguous()
+    out = _conv_op(x, g, shape, sc, sh)
+    torch.testing.assert_close(out.cpu().double(), _conv_reference(x, g, shape, sc, sh), rtol=RTOL[dtype], atol=0)
+    assert torch.equal(out, _conv_op(x.contiguous(), g.contiguous(), shape, sc, sh))
+    assert torch.equal(out, _conv_op(x, g, shape, sc, sh))  # deterministic
+
+
+@pytest.mark.parametrize("device", _devices("conv2d_sumsq_tiled"))
+def test_conv_rejects_strided_planes(device):
+    x, g, _, _ = _conv_inputs(CONV_SHAPES[0], torch.float32, device, False, False)
+    with pytest.raises(RuntimeError, match="contiguous H x W plane"):
+        _conv_op(x.contiguous(memory_format=torch.channels_last), g, CONV_SHAPES[0])
+
+
+def test_conv_opcheck():
+    shape = CONV_SHAPES[2]
+    x, g, sc, sh = _conv_inputs(shape, torch.float32, "cpu", True, True, extra_channels=1)
+    geometry = [list(v) for v in shape[5:]]
+    op = torch.ops.dpkernels_C.conv2d_sumsq_tiled.default
+    for args in ((x, g, *geometry, sc, sh), (x.bfloat16(), g.bfloat16(), *geometry, None, sh)):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

@@ -19,7 +19,9 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
    build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
    invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any kernel stack
-   frame (local memory), or a compile error, fails the check. No ``.cu`` files, or
+   frame (local memory), or a compile error, fails the check; so does a source that compiles fewer
+   (or more) instantiations of a kernel than :data:`REQUIRED_CUDA_KERNELS` lists for it, so that a
+   variant a launcher stops instantiating is not silently left unchecked. No ``.cu`` files, or
    no ``nvcc``, is reported as skipped.
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
@@ -72,6 +74,16 @@ STREAMING_KERNELS = ("_per_sample_sumsq_kernel", "_weighted_sum_kernel")
 NOISE_KERNELS = ("_noise_kernel", "_chacha_kernel")
 FILTER_KERNELS = ("_filter_kernel", "_step_kernel")
 LAYER_KERNELS = ("_linear_sumsq_kernel",)
+# Entry kernels that a CUDA source must compile for every arch: short-name prefix (as in the report)
+# -> number of instantiations. The BK tile kernel: LinearLayout over 3 dtypes x 128-bit loads or
+# not x shift x scale, ConvLayout (implicit im2col) over 3 dtypes x shift x scale.
+REQUIRED_CUDA_KERNELS = {
+    "csrc/cuda/layers.cu": {
+        "tiled_sumsq_kernel<dpkernels::LinearLayout<": 24,
+        "tiled_sumsq_kernel<dpkernels::ConvLayout<": 12,
+        "tiled_sumsq_reduce_kernel": 1,
+    },
+}
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -517,6 +529,22 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines, strict=False)) if len(lines) == len(names) else {n: n for n in names}
 
 
+def required_kernel_problems(source: str, kernels: list[dict], archs) -> list[str]:
+    """Problems with the instantiations ``source`` must compile (:data:`REQUIRED_CUDA_KERNELS`):
+    ``kernels`` are the report's records (``kernel`` short name, ``arch``, ``entry``)."""
+    problems = []
+    for prefix, want in REQUIRED_CUDA_KERNELS.get(source, {}).items():
+        for arch in archs:
+            sm = f"sm_{arch}"
+            got = sum(1 for k in kernels if k["entry"] and k["arch"] == sm and k["kernel"].startswith(prefix))
+            if got != want:
+                problems.append(
+                    f"{prefix}... ({sm}): {got} instantiations compiled, {want} expected "
+                    "(REQUIRED_CUDA_KERNELS in tools/gpu_static_check.py)"
+                )
+    return problems
+
+
 def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
     t0 = time.perf_counter()
     cmd = nvcc_command(source, workdir / (source.stem + (".o" if host else ".fatbin")), archs, host)
@@ -541,6 +569,8 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
             # sincos_2pi of philox.h avoids.
             problems.append(f"{names[fn]} ({arch}) has a {r['stack']} B stack frame (local memory)")
         kernels.append(k)
+    if shutil.which("c++filt"):  # the required names are demangled ones
+        problems += required_kernel_problems(rec["source"], kernels, archs)
     rec.update(ok=not problems, kernels=kernels, problems=problems)
     return rec
 
