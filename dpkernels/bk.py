@@ -107,19 +107,17 @@ class _Recorder:
         self.calls: dict[int, list[_Call]] = defaultdict(list)
 
 
+# Written with forward(ctx, ...), not setup_context: torch binds a setup_context function's default
+# arguments through inspect.signature on every apply (~0.1 ms per layer call on the CPU).
 class _WeightFn(torch.autograd.Function):
     """A Linear (``conv`` None) or Conv2d (``conv`` = its stride, padding, dilation, groups) whose
     backward records ``(x, G)`` and returns the input gradient only: no weight or bias gradient."""
 
     @staticmethod
-    def forward(x, weight, bias, rec, fid, conv):
-        return F.linear(x, weight, bias) if conv is None else F.conv2d(x, weight, bias, *conv)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _, rec, fid, conv = inputs
+    def forward(ctx, x, weight, bias, rec, fid, conv):
         ctx.save_for_backward(x, weight)
         ctx.rec, ctx.fid, ctx.conv = rec, fid, conv
+        return F.linear(x, weight, bias) if conv is None else F.conv2d(x, weight, bias, *conv)
 
     @staticmethod
     def backward(ctx, gy):
@@ -134,14 +132,10 @@ class _WeightFn(torch.autograd.Function):
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ids, weight, padding_idx, rec, fid):
-        return F.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ids, _, _, rec, fid = inputs
+    def forward(ctx, ids, weight, padding_idx, rec, fid):
         ctx.save_for_backward(ids)
         ctx.rec, ctx.fid = rec, fid
+        return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, gy):
