@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 CMAKE_ARGS ?=
 # Tests run in up to 4 worker processes (pytest-xdist): the suite is mostly single-threaded
 # interpreter work, so a 2-core machine runs it in about half the time.
-PYTEST_ARGS ?= -n auto --maxprocesses 4
+PYTEST_ARGS ?= -n auto --maxprocesses 4 --durations=25
 
 .PHONY: test bench install lint format static-check cmake clean gpu-check gpu-wheels
 

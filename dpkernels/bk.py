@@ -364,11 +364,13 @@ class _EmbeddingRule(_WrappedRule):
 
 class _SamplerRule(_Rule):
     """Any other layer: its per-sample gradients from Opacus's grad sampler for its type, or
-    Opacus's functorch fallback (``ft_compute_per_sample_gradient``). Captured with Opacus's own
-    hook pair: a forward hook keeps the inputs, a full backward hook pairs them with ``G``.
+    Opacus's functorch fallback (``ft_compute_per_sample_gradient``). A forward hook keeps the
+    layer's inputs and puts a gradient hook on its output, which pairs them with ``G`` (a tensor
+    hook: no wrapping of the layer's inputs and outputs in autograd functions, as a full backward
+    hook does).
 
     With a grad sampler (the norm layers: per-sample gradients ``[B, C]``, far smaller than the
-    layer's input and output gradient) the per-sample gradients are formed in the backward hook and
+    layer's input and output gradient) the per-sample gradients are formed in the gradient hook and
     nothing else of the layer is kept; the functorch fallback, which re-runs the layer, keeps
     ``(inputs, G)`` until the clip."""
 
@@ -380,31 +382,36 @@ class _SamplerRule(_Rule):
         self.eager = sampler is not None
         self.sampler = sampler or ft_compute_per_sample_gradient
         self.params = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
-        self.pending: list[tuple[int, tuple]] = []
         self.done: dict[int, list[_Call]] = defaultdict(list)
-
-        def on_forward(module, args, output):
-            if bk.recording and torch.is_grad_enabled():
-                self.pending.append((bk.fid, tuple(a.detach() if isinstance(a, Tensor) else a for a in args)))
-
-        def on_backward(module, grad_input, grad_output):
-            if bk.recording and self.pending:
-                fid, args = self.pending.pop()
-                g = grad_output[0].detach()
-                if self.eager:
-                    with torch.no_grad():
-                        grads = self.sampler(self.module, list(args), g)
-                    self.done[fid].append(_Grads(tuple(grads[p] for p in self.params), None, 1.0))
-                else:
-                    self.done[fid].append(_Call(args, g, 1.0))
-
-        self.hooks = (on_forward, on_backward)
+        self.bk = bk
         self.hook()
 
+    def on_forward(self, module, args, output):
+        bk = self.bk
+        if not (bk.recording and torch.is_grad_enabled()):
+            return
+        if not isinstance(output, Tensor):
+            raise NotImplementedError(
+                f"BK clipping captures a layer's single output tensor; {type(module).__name__} returned "
+                f"{type(output).__name__} (use grad_sample_mode='hooks')"
+            )
+        if not output.requires_grad:
+            return
+        fid, inputs = bk.fid, tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        output.register_hook(lambda g: self.on_grad(fid, inputs, g.detach()))
+
+    def on_grad(self, fid: int, inputs: tuple, g: Tensor) -> None:
+        if not self.bk.recording:
+            return
+        if self.eager:
+            with torch.no_grad():
+                grads = self.sampler(self.module, list(inputs), g)
+            self.done[fid].append(_Grads(tuple(grads[p] for p in self.params), None, 1.0))
+        else:
+            self.done[fid].append(_Call(inputs, g, 1.0))
+
     def hook(self):
-        on_forward, on_backward = self.hooks
-        self.handles = [self.module.register_forward_hook(on_forward),
-                        self.module.register_full_backward_hook(on_backward)]  # fmt: skip
+        self.handles = [self.module.register_forward_hook(self.on_forward)]
 
     def uninstall(self):
         for h in self.handles:
@@ -425,7 +432,7 @@ class _SamplerRule(_Rule):
                     gs = gs * c.alpha if c.alpha != 1.0 else gs
                     out[p] = gs if p not in out else out[p] + gs
             return out
-        # functorch cannot trace through the full backward hook's autograd function: unhook meanwhile
+        # the forward hook must not capture functorch's re-run of the layer: unhook meanwhile
         self.uninstall()
         try:
             for c in calls:
@@ -547,9 +554,6 @@ class BKModule(nn.Module):
         for fid in self._forwards:
             for rule in self._rules:
                 rule.take(fid)
-        for rule in self._rules:
-            if isinstance(rule, _SamplerRule):
-                rule.pending.clear()
         self._forwards.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

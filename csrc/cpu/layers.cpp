@@ -256,8 +256,8 @@ struct Epilogue {
 
 // Σ over block [o0, o0 + bo) × [k0, k0 + bk) of (scale (P_i − shift))² for sample i of `ops`.
 template <bool kShift, bool kScale, typename Ops>
-double block_sumsq(const Ops& ops, const LinearShape& s, const Epilogue& ep, int64_t i, int64_t o0, int64_t bo,
-                   int64_t k0, int64_t bk, Scratch& w) {
+double block_sumsq(const Ops& ops, const LinearShape& s, const Epilogue& ep, int64_t i, int64_t o0,
+                   int64_t bo, int64_t k0, int64_t bk, Scratch& w) {
   const int64_t np = ceil_div(bo, kMR), nq = ceil_div(bk, kNR);
   const int64_t chunks = std::max<int64_t>(1, ceil_div(s.T, kChunkT));
   dVec dacc[kDLanes];
@@ -404,8 +404,8 @@ at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::
                                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                   const std::optional<at::Tensor>& scale,
                                   const std::optional<at::Tensor>& shift) {
-  const ConvShape c =
-      check_conv2d_sumsq_inputs(x, g, kernel_size, stride, padding, dilation, scale, shift, c10::DeviceType::CPU);
+  const ConvShape c = check_conv2d_sumsq_inputs(x, g, kernel_size, stride, padding, dilation, scale, shift,
+                                                c10::DeviceType::CPU);
   return tiled_sumsq(c.linear(), x.scalar_type(), x.element_size(), x.options(), scale, shift, [&](auto tag) {
     using scalar_t = decltype(tag);
     return ConvOperands<scalar_t>{x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), c};

@@ -60,7 +60,8 @@ struct LinearShape {
 
 // scale and shift of a tiled norm: absent, or contiguous float32 [d_out, d_in] on `like`'s device.
 inline void check_epilogue_inputs(const char* op, const LinearShape& s, const at::Tensor& like,
-                                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift) {
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& shift) {
   for (const auto& [name, t] : {std::pair{"scale", &scale}, std::pair{"shift", &shift}}) {
     if (!t->has_value()) continue;
     const at::Tensor& v = **t;
@@ -68,8 +69,8 @@ inline void check_epilogue_inputs(const char* op, const LinearShape& s, const at
               " must be [d_out, d_in] = [", s.d_out, ", ", s.d_in, "], got ", v.sizes());
     DPK_CHECK(v.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", v.scalar_type());
     DPK_CHECK(v.is_contiguous(), op, ": ", name, " must be contiguous");
-    DPK_CHECK(v.device() == like.device(), op, ": ", name, " is on ", v.device(), " but the activations are on ",
-              like.device());
+    DPK_CHECK(v.device() == like.device(), op, ": ", name, " is on ", v.device(),
+              " but the activations are on ", like.device());
   }
 }
 
@@ -119,9 +120,10 @@ struct ConvShape {
 // contiguous, H_out and W_out those of the convolution; kernel_size, stride, padding and dilation
 // pairs (kernel, stride and dilation >= 1, padding >= 0); scale and shift absent or contiguous
 // float32 [O, C · kh · kw] on the same device.
-inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
-                                           at::IntArrayRef stride, at::IntArrayRef padding,
-                                           at::IntArrayRef dilation, const std::optional<at::Tensor>& scale,
+inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor& g,
+                                           at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                           at::IntArrayRef padding, at::IntArrayRef dilation,
+                                           const std::optional<at::Tensor>& scale,
                                            const std::optional<at::Tensor>& shift, c10::DeviceType device) {
   constexpr const char* op = "conv2d_sumsq_tiled";
   DPK_CHECK(x.dim() == 4, op, ": x must be 4-D [B, C, H, W], got ", x.dim(), "-D ", x.sizes());
@@ -140,7 +142,8 @@ inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor
                                 std::pair{"padding", padding}, std::pair{"dilation", dilation}}) {
     DPK_CHECK(v.size() == 2, op, ": ", name, " must have 2 values, got ", v);
   }
-  DPK_CHECK(kernel_size[0] >= 1 && kernel_size[1] >= 1, op, ": kernel_size must be positive, got ", kernel_size);
+  DPK_CHECK(kernel_size[0] >= 1 && kernel_size[1] >= 1, op, ": kernel_size must be positive, got ",
+            kernel_size);
   DPK_CHECK(stride[0] >= 1 && stride[1] >= 1, op, ": stride must be positive, got ", stride);
   DPK_CHECK(dilation[0] >= 1 && dilation[1] >= 1, op, ": dilation must be positive, got ", dilation);
   DPK_CHECK(padding[0] >= 0 && padding[1] >= 0, op, ": padding must be non-negative, got ", padding);
@@ -153,15 +156,16 @@ inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor
   DPK_CHECK(span_h >= 0 && span_w >= 0, op, ": the kernel (", kernel_size, ", dilation ", dilation,
             ") is larger than the padded input ", x.sizes());
   c.H_out = span_h / c.stride_h + 1, c.W_out = span_w / c.stride_w + 1;
-  DPK_CHECK(g.size(2) == c.H_out && g.size(3) == c.W_out, op, ": g's spatial size [", g.size(2), ", ", g.size(3),
-            "] is not the convolution's output size [", c.H_out, ", ", c.W_out, "] for x ", x.sizes());
+  DPK_CHECK(g.size(2) == c.H_out && g.size(3) == c.W_out, op, ": g's spatial size [", g.size(2), ", ",
+            g.size(3), "] is not the convolution's output size [", c.H_out, ", ", c.W_out, "] for x ",
+            x.sizes());
   const auto plane_contiguous = [](const at::Tensor& t) {
     return (t.size(3) <= 1 || t.stride(3) == 1) && (t.size(2) <= 1 || t.stride(2) == t.size(3));
   };
   DPK_CHECK(plane_contiguous(x), op, ": each channel of x must be a contiguous H x W plane, got strides ",
             x.strides());
-  DPK_CHECK(plane_contiguous(g), op, ": each channel of g must be a contiguous H_out x W_out plane, got strides ",
-            g.strides());
+  DPK_CHECK(plane_contiguous(g), op,
+            ": each channel of g must be a contiguous H_out x W_out plane, got strides ", g.strides());
   c.x_batch_stride = x.stride(0), c.x_channel_stride = x.stride(1);
   c.g_batch_stride = g.stride(0), c.g_channel_stride = g.stride(1);
   check_epilogue_inputs(op, c.linear(), x, scale, shift);
