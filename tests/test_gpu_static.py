@@ -52,3 +52,18 @@ def test_required_cuda_kernels_are_counted():
     problems = tool.required_kernel_problems("csrc/cuda/layers.cu", fewer, (80, 90))
     assert len(problems) == 1 and conv in problems[0] and "sm_90" in problems[0]
     assert tool.required_kernel_problems("csrc/cuda/other.cu", [], (80, 90)) == []
+
+
+def test_wide_load_requirement_fails_without_128_bit_loads():
+    """An aligned LinearLayout instantiation whose SASS has no LDG.128 fails the check; no nvcc needed."""
+    tool = _tool()
+    vec = "tiled_sumsq_kernel<dpkernels::LinearLayout<float, true>, false, false>"
+    scalar = "tiled_sumsq_kernel<dpkernels::LinearLayout<float, false>, false, false>"
+    kernels = [{"kernel": vec, "arch": "sm_90", "entry": True, "ldg_128": 4},
+               {"kernel": scalar, "arch": "sm_90", "entry": True, "ldg_128": 0}]  # fmt: skip
+    assert tool.wide_load_problems("csrc/cuda/layers.cu", kernels) == []
+    kernels[0]["ldg_128"] = 0
+    problems = tool.wide_load_problems("csrc/cuda/layers.cu", kernels)
+    assert len(problems) == 1 and "LinearLayout<float, true>" in problems[0]
+    assert tool.wide_load_problems("csrc/cuda/layers.cu", kernels[1:]) != []  # nothing matched
+    assert tool.wide_load_problems("csrc/cuda/other.cu", []) == []

@@ -21,8 +21,10 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any kernel stack
    frame (local memory), or a compile error, fails the check; so does a source that compiles fewer
    (or more) instantiations of a kernel than :data:`REQUIRED_CUDA_KERNELS` lists for it, so that a
-   variant a launcher stops instantiating is not silently left unchecked. No ``.cu`` files, or
-   no ``nvcc``, is reported as skipped.
+   variant a launcher stops instantiating is not silently left unchecked; and so does an
+   instantiation matching :data:`REQUIRED_CUDA_WIDE_LOADS` whose SASS (``cuobjdump -sass``, the
+   toolkit's or the one Triton ships) has no 128-bit global load. No ``.cu`` files, or no
+   ``nvcc``, is reported as skipped.
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
 
@@ -84,6 +86,14 @@ REQUIRED_CUDA_KERNELS = {
         "tiled_sumsq_reduce_kernel": 1,
     },
 }
+
+# CUDA entry kernels whose SASS must load 128 bits wide (``LDG...128``, counted by cuobjdump): a
+# regular expression on the short name, per source. The BK tile kernel's LinearLayout<T, true>
+# stages its a/g chunks with uint4 loads (the vector path); its scalar and conv layouts may not.
+REQUIRED_CUDA_WIDE_LOADS = {
+    "csrc/cuda/layers.cu": r"^tiled_sumsq_kernel<dpkernels::LinearLayout<[\w:]+, true>",
+}
+_SASS_LDG_128_RE = re.compile(r"\bLDG(?:\.[\w]+)*\.128\b")
 
 # A 128-bit global access: four 32-bit or two 64-bit lanes (any cache/eviction qualifiers).
 _LD_RE = re.compile(r"\bld\.global[\w.:]*")
@@ -545,9 +555,56 @@ def required_kernel_problems(source: str, kernels: list[dict], archs) -> list[st
     return problems
 
 
+def _cuobjdump() -> str | None:
+    """cuobjdump from the toolkit, or the one Triton ships (the toolkit here has none)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def sass_wide_loads(fatbin: Path) -> dict[tuple[str, str], int] | None:
+    """``{(mangled name, "sm_XX"): number of 128-bit global loads}`` from the fatbin's SASS, or None
+    without a cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    res = subprocess.run([tool, "-sass", str(fatbin)], capture_output=True, text=True)
+    counts: dict[tuple[str, str], int] = {}
+    arch, fn = "", None
+    for line in res.stdout.splitlines():
+        if m := re.search(r"code for (sm_\d+)", line):
+            arch = m.group(1)
+        elif m := re.search(r"Function : (\S+)", line):
+            fn = m.group(1)
+            counts[(fn, arch)] = 0
+        elif fn is not None and _SASS_LDG_128_RE.search(line):
+            counts[(fn, arch)] += 1
+    return counts
+
+
+def wide_load_problems(source: str, kernels: list[dict]) -> list[str]:
+    """Problems with :data:`REQUIRED_CUDA_WIDE_LOADS` for ``source``: every matching entry kernel
+    (records with ``ldg_128`` counted) must load 128 bits wide, and some kernel must match."""
+    pattern = REQUIRED_CUDA_WIDE_LOADS.get(source)
+    if pattern is None:
+        return []
+    matching = [k for k in kernels if k["entry"] and re.search(pattern, k["kernel"])]
+    if not matching:
+        return [f"no entry kernel of {source} matches {pattern!r} (REQUIRED_CUDA_WIDE_LOADS)"]
+    return [f"{k['kernel']} ({k['arch']}): no 128-bit global loads (LDG.128) in its SASS"
+            for k in matching if k.get("ldg_128") == 0]  # fmt: skip
+
+
 def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
     t0 = time.perf_counter()
-    cmd = nvcc_command(source, workdir / (source.stem + (".o" if host else ".fatbin")), archs, host)
+    out = workdir / (source.stem + (".o" if host else ".fatbin"))
+    cmd = nvcc_command(source, out, archs, host)
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     rec = {"source": str(source.relative_to(ROOT)), "compile_s": round(time.perf_counter() - t0, 1)}
     rec["command"] = " ".join(cmd)
@@ -569,8 +626,14 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
             # sincos_2pi of philox.h avoids.
             problems.append(f"{names[fn]} ({arch}) has a {r['stack']} B stack frame (local memory)")
         kernels.append(k)
+    wide = sass_wide_loads(out) if rec["source"] in REQUIRED_CUDA_WIDE_LOADS else None
+    for k in kernels:
+        if wide is not None and (k["mangled"], k["arch"]) in wide:
+            k["ldg_128"] = wide[(k["mangled"], k["arch"])]
     if shutil.which("c++filt"):  # the required names are demangled ones
         problems += required_kernel_problems(rec["source"], kernels, archs)
+        if wide is not None:
+            problems += wide_load_problems(rec["source"], kernels)
     rec.update(ok=not problems, kernels=kernels, problems=problems)
     return rec
 
@@ -652,9 +715,9 @@ def format_report(res: dict) -> str:
         for k in src["kernels"]:
             name = k["kernel"] if len(k["kernel"]) <= 70 else k["kernel"][:67] + "..."
             spill = f"{k.get('spill_stores', '?')}/{k.get('spill_loads', '?')}"
-            rows.append([name, k["arch"], k.get("registers", "-"), spill, k.get("stack", "?")])
+            rows.append([name, k["arch"], k.get("registers", "-"), spill, k.get("stack", "?"), k.get("ldg_128", "")])
         if rows:
-            parts.append(_table(rows, ["kernel", "arch", "regs", "spill st/ld B", "stack B"]))
+            parts.append(_table(rows, ["kernel", "arch", "regs", "spill st/ld B", "stack B", "LDG.128"]))
         for p in src["problems"]:
             parts.append(f"   FAIL: {p}")
     parts.append("")
