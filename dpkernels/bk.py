@@ -397,10 +397,16 @@ class _SamplerRule(_Rule):
             )
         if not output.requires_grad:
             return
-        fid, inputs = bk.fid, tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        output.register_hook(lambda g: self.on_grad(fid, inputs, g.detach()))
+        # The hook empties the box: the layer's inputs are released as its gradient is consumed, not
+        # when the whole graph is (the norm layers' inputs would otherwise all live to the end).
+        box = [bk.fid, tuple(a.detach() if isinstance(a, Tensor) else a for a in args)]
+        output.register_hook(lambda g: self.on_grad(box, g.detach()))
 
-    def on_grad(self, fid: int, inputs: tuple, g: Tensor) -> None:
+    def on_grad(self, box: list, g: Tensor) -> None:
+        if not box:  # a second backward through a retained graph
+            return
+        fid, inputs = box
+        box.clear()
         if not self.bk.recording:
             return
         if self.eager:

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -65,6 +66,10 @@ constexpr int64_t kChunkT = 256;
 constexpr int kDLanes = fVec::size() / dVec::size();
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+// Rows of one SIMD transpose (at::vec::transpose_mxn<float, 8, 8>) in the conv packing.
+constexpr int64_t kTransposeRows = 8;
+static_assert(kNR % kTransposeRows == 0);
 
 // dst[0, n) = src[0, n) as fp32.
 template <typename scalar_t>
@@ -164,9 +169,16 @@ double edge_sumsq(const Tile& acc, const float* sh, const float* sc, int64_t ld,
 
 // Per-thread buffers, allocated once per run of tasks.
 struct Scratch {
-  std::vector<float> a, g, tile, tmp;
+  std::vector<float> a, g, tile, tmp, cols;
+  // The g panels in `g` are those of (sample, first row, first position) `g_key`: a sample's blocks
+  // along d_in share them (sample-major tasks run them in a row).
+  std::array<int64_t, 3> g_key{-1, -1, -1};
   explicit Scratch(int64_t tc)
-      : a(kPanelsK * kNR * tc), g(kPanelsO * kMR * tc), tile(kPanelsO * kPanelsK * kMR * kNR), tmp(kBlockK) {}
+      : a(kPanelsK * kNR * tc),
+        g(kPanelsO * kMR * tc),
+        tile(kPanelsO * kPanelsK * kMR * kNR),
+        tmp(kBlockK),
+        cols(kBlockK * round_up(tc, kTransposeRows)) {}
 };
 
 // The operands of a linear layer: sample i's rows are a_i [T, d_in] and g_i [T, d_out], contiguous.
@@ -197,8 +209,12 @@ struct ConvOperands {
   const scalar_t* g;
   ConvShape c;
 
+  // Two steps: the block's patch columns gathered k-major into w.cols ([column][position], each
+  // output row of a column one contiguous run of the input row, zero outside the image), then
+  // transposed 8 × 8 at a time into the [position][kNR] panels.
   void pack_a(int64_t i, int64_t t0, int64_t tc, int64_t k0, int64_t n, Scratch& w) const {
-    float* dst = w.a.data();
+    const int64_t ld = round_up(tc, kTransposeRows), panels = ceil_div(n, kNR);
+    float* cols = w.cols.data();
     const int64_t kk = c.kh * c.kw;
     const scalar_t* xi = x + i * c.x_batch_stride;
     for (int64_t j = 0; j < n; ++j) {
@@ -208,33 +224,45 @@ struct ConvOperands {
       const int64_t lo = std::min(dw >= 0 ? 0 : ceil_div(-dw, c.stride_w), c.W_out);
       const int64_t hi = std::clamp<int64_t>(c.W > dw ? ceil_div(c.W - dw, c.stride_w) : 0, lo, c.W_out);
       const scalar_t* xc = xi + ch * c.x_channel_stride;
-      float* col = dst + (j / kNR) * tc * kNR + j % kNR;
+      float* out = cols + j * ld;
       int64_t oh = t0 / c.W_out, ow = t0 % c.W_out;
       for (int64_t t = 0; t < tc;) {
         const int64_t run = std::min(tc - t, c.W_out - ow);  // positions left in this output row
         const int64_t ih = oh * c.stride_h + dh;
-        float* out = col + t * kNR;
         // [ow, ow + run) = zeros before lo, the image's values in [lo, hi), zeros after hi.
         const bool inside = ih >= 0 && ih < c.H;
         const int64_t a0 = inside ? std::clamp(lo, ow, ow + run) : ow + run;
         const int64_t a1 = inside ? std::clamp(hi, a0, ow + run) : ow + run;
-        for (int64_t q = ow; q < a0; ++q) out[(q - ow) * kNR] = 0.f;
-        if (a1 > a0) {
-          const scalar_t* src = xc + ih * c.W + dw + a0 * c.stride_w;
-          float* o = out + (a0 - ow) * kNR;
-          if (c.stride_w == 1) {
-            for (int64_t q = 0; q < a1 - a0; ++q) o[q * kNR] = bk_to_float(src[q]);
-          } else {
-            for (int64_t q = 0; q < a1 - a0; ++q) o[q * kNR] = bk_to_float(src[q * c.stride_w]);
-          }
+        std::fill(out + t, out + t + (a0 - ow), 0.f);
+        const scalar_t* src = xc + ih * c.W + dw + a0 * c.stride_w;
+        float* o = out + t + (a0 - ow);
+        if (c.stride_w == 1) {
+          row_to_float(src, a1 - a0, o);
+        } else {
+          for (int64_t q = 0; q < a1 - a0; ++q) o[q] = bk_to_float(src[q * c.stride_w]);
         }
-        for (int64_t q = a1; q < ow + run; ++q) out[(q - ow) * kNR] = 0.f;
+        std::fill(o + (a1 - a0), out + t + run, 0.f);
         t += run;
         ow = 0;
         ++oh;
       }
+      std::fill(out + tc, out + ld, 0.f);
     }
-    zero_panel_tail<kNR>(dst, tc, n);
+    std::fill(cols + n * ld, cols + panels * kNR * ld, 0.f);  // the last panel's padding columns
+    float* dst = w.a.data();
+    for (int64_t p = 0; p < panels; ++p) {
+      for (int64_t t = 0; t < tc; t += kTransposeRows) {
+        for (int64_t v = 0; v < kNR; v += kTransposeRows) {
+          const float* src = cols + (p * kNR + v) * ld + t;
+          float* to = dst + (p * tc + t) * kNR + v;
+          if (t + kTransposeRows <= tc) {
+            at::vec::transpose_mxn<float, kTransposeRows, kTransposeRows>(src, ld, to, kNR);
+          } else {
+            at::vec::transpose_mxn<float>(src, ld, to, kNR, kTransposeRows, tc - t);
+          }
+        }
+      }
+    }
   }
 
   void pack_g(int64_t i, int64_t t0, int64_t tc, int64_t o0, int64_t n, Scratch& w) const {
@@ -267,7 +295,10 @@ double block_sumsq(const Ops& ops, const LinearShape& s, const Epilogue& ep, int
     const int64_t t0 = c * kChunkT, tc = std::min(kChunkT, s.T - t0);
     const bool first = c == 0, last = c == chunks - 1;
     ops.pack_a(i, t0, tc, k0, bk, w);
-    ops.pack_g(i, t0, tc, o0, bo, w);
+    if (w.g_key != std::array<int64_t, 3>{i, o0, t0}) {
+      ops.pack_g(i, t0, tc, o0, bo, w);
+      w.g_key = {i, o0, t0};
+    }
     for (int64_t q = 0; q < nq; ++q) {
       const float* ap = w.a.data() + q * tc * kNR;
       for (int64_t p = 0; p < np; ++p) {
