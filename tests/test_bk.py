@@ -346,26 +346,33 @@ def test_make_private_bk_cnn_follows_per_sample_mode(setup):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-def _ghost_run(accelerated: bool, steps=3):
-    """Opacus ghost clipping (σ = 0), plain or with accelerate(criterion=...): final parameters and the
-    number of backward passes through the model's output per step."""
+def _ghost_setup(sigma: float, steps: int):
+    """Opacus ghost clipping (``make_private(grad_sample_mode="ghost")``) on a small MLP with
+    LayerNorm: ``(model, module, optimizer, criterion, x, y)``, batches of 8."""
     from opacus import PrivacyEngine as OpacusPrivacyEngine
-
-    from dpkernels.integrations.opacus import accelerate
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8 * steps, 10, generator=g), torch.randint(0, 3, (8 * steps,), generator=g)
-    module, opt, crit, loader = OpacusPrivacyEngine().make_private(
+    module, opt, crit, _ = OpacusPrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0, max_grad_norm=0.3,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=sigma, max_grad_norm=0.3,
         poisson_sampling=False, grad_sample_mode="ghost",
     )  # fmt: skip
+    return model, module, opt, crit, x, y
+
+
+def _ghost_run(accelerated: bool, steps=3):
+    """Opacus ghost clipping (σ = 0), plain or with accelerate(criterion=...): final parameters and the
+    number of backward passes through the model's output per step."""
+    from dpkernels.integrations.opacus import accelerate
+
+    model, module, opt, crit, x, y = _ghost_setup(0.0, steps)
     if accelerated:
         accelerate(opt, backend="cpu", seed=3, criterion=crit)
     passes = 0
-    for xb, yb in loader:
+    for xb, yb in zip(x.split(8), y.split(8), strict=True):
         opt.zero_grad()
         out = module(xb)
 
@@ -390,19 +397,9 @@ def test_accelerate_ghost_runs_one_backward():
 def _ghost_accelerated_params(micro: int, sigma: float, steps=3):
     """accelerate(ghost optimizer, criterion=...) with each step's batch of 8 split into ``micro``
     micro-batches (one backward each, clipped sums added into p.grad): the final parameters."""
-    from opacus import PrivacyEngine as OpacusPrivacyEngine
-
     from dpkernels.integrations.opacus import accelerate
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 3))
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8 * steps, 10, generator=g), torch.randint(0, 3, (8 * steps,), generator=g)
-    module, opt, crit, _ = OpacusPrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=sigma, max_grad_norm=0.3,
-        poisson_sampling=False, grad_sample_mode="ghost",
-    )  # fmt: skip
+    model, module, opt, crit, x, y = _ghost_setup(sigma, steps)
     accelerate(opt, backend="cpu", seed=5, criterion=crit)
     for xb, yb in zip(x.split(8), y.split(8), strict=True):
         opt.zero_grad()

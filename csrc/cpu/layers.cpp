@@ -404,13 +404,7 @@ at::Tensor tiled_sumsq(const LinearShape& s, at::ScalarType dtype, int64_t eleme
         }
       });
     };
-    using Y = std::true_type;
-    using N = std::false_type;
-    if (has_shift) {
-      has_scale ? run(Y{}, Y{}) : run(Y{}, N{});
-    } else {
-      has_scale ? run(N{}, Y{}) : run(N{}, N{});
-    }
+    dispatch_shift_scale(has_shift, has_scale, run);
   });
   float* o = out.data_ptr<float>();
   for (int64_t i = 0; i < s.B; ++i) {

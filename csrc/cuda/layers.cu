@@ -385,17 +385,6 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <typename F>
-void dispatch_flags(bool has_shift, bool has_scale, const F& f) {
-  using Y = std::true_type;
-  using N = std::false_type;
-  if (has_shift) {
-    has_scale ? f(Y{}, Y{}) : f(Y{}, N{});
-  } else {
-    has_scale ? f(N{}, Y{}) : f(N{}, N{});
-  }
-}
-
 // The launcher core of both ops, for the [B] norms of the linear problem s whose operands a and g
 // (for a Conv2d, x and g) the layout reads: with_layout(pa, pg, launch) calls launch(layout) with
 // the layout for those data pointers, and launch runs the tile kernel for it, then the reduction.
@@ -424,7 +413,7 @@ at::Tensor tiled_sumsq_cuda(const char* op, const LinearShape& s, const at::Tens
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
     with_layout(pa, pg, [&](const auto& layout) {
       using Layout = std::decay_t<decltype(layout)>;
-      dispatch_flags(shift.has_value(), scale.has_value(), [&](auto shift_tag, auto scale_tag) {
+      dispatch_shift_scale(shift.has_value(), scale.has_value(), [&](auto shift_tag, auto scale_tag) {
         tiled_sumsq_kernel<Layout, decltype(shift_tag)::value, decltype(scale_tag)::value>
             <<<static_cast<unsigned>(s.B * tiles), kThreads, 0, stream>>>(pa, pg, layout, sh, sc, p,
                                                                           partial.data_ptr<double>());
