@@ -124,8 +124,9 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 
 
 def _rowdot(x: Tensor, y: Tensor) -> Tensor:
-    """``Σ_k x_k y_k`` over the last dimension, accumulated in float64."""
-    return torch.linalg.vecdot(x.double(), y.double())
+    """``Σ_k x_k y_k`` over the last dimension: products in the inputs' dtype (fp32 products of
+    fp32 GEMM outputs), accumulated in float64 (no float64 copies of the operands)."""
+    return (x * y).sum(-1, dtype=torch.float64)
 
 
 class _AtenLayers:
