@@ -126,7 +126,13 @@ class _WeightFn(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             w = weight.to(gy.dtype)
-            gx = gy.matmul(w) if ctx.conv is None else torch.nn.grad.conv2d_input(x.shape, w, gy, *ctx.conv)
+            if ctx.conv is None:
+                gx = gy.matmul(w)
+            else:  # with the saved input, not conv2d_input's stride-0 stand-in (0.1-0.4 ms more a call)
+                stride, padding, dilation, groups = ctx.conv
+                gx = torch.ops.aten.convolution_backward(
+                    gy, x, w, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False)
+                )[0]
         return gx, None, None, None, None, None
 
 

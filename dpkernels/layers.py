@@ -239,7 +239,22 @@ class _AtenLayers:
             x = x * w
         else:
             g = g * w
-        return torch.nn.grad.conv2d_weight(x, weight_shape, g, *geom[1:])
+        # convolution_backward reads only the weight's shape here; a real (uninitialised) tensor, not
+        # conv2d_weight's stride-0 stand-in, which costs the backends a slower path.
+        weight = torch.empty(weight_shape, dtype=dt, device=x.device)
+        return torch.ops.aten.convolution_backward(
+            g,
+            x,
+            weight,
+            None,
+            geom.stride,
+            geom.padding,
+            geom.dilation,
+            False,
+            (0, 0),
+            geom.groups,
+            (False, True, False),
+        )[1]
 
 
 def _t1_sumsq(a, g, s_out, s_in, scale):
