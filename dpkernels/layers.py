@@ -62,6 +62,10 @@ _PATCH_CHUNK_ELEMS = 1 << 18
 # flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py (docs/BENCHMARKS.md,
 # "Book-keeping"), least total slowdown over the grid for any value in [0.625, 1).
 GRAM_CROSSOVER = 0.75
+# The same for a conv (conv2d_sumsq): there the tiled product reads the patches in place and the Gram
+# form builds them. tools/bk_crossover.py --conv (docs/BENCHMARKS.md): least total slowdown over 16
+# shapes for any value in [0.28, 0.56).
+CONV_GRAM_CROSSOVER = 0.3
 
 
 # --------------------------------------------------------------------------------------------
@@ -649,6 +653,17 @@ def _check_weight_like(name: str, t, weight_shape, device):
 CONV_METHODS = ("auto", "gram", "tiled")
 
 
+def _pick_conv_method(method: str, T: int, d_out: int, d_in: int, scaled: bool) -> str:
+    if method not in CONV_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {CONV_METHODS}")
+    if method == "gram" and scaled:
+        raise ValueError("method 'gram' takes no scale; use 'tiled'")
+    if method != "auto":
+        return method
+    cheap = T * (d_in + d_out) <= CONV_GRAM_CROSSOVER * d_in * d_out
+    return "gram" if cheap and not scaled else "tiled"
+
+
 def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                  scale: Tensor | None = None, shift: Tensor | None = None, method: str = "auto",
                  backend: str = "auto") -> Tensor:  # fmt: skip
@@ -664,22 +679,15 @@ def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dil
         method: ``"tiled"`` (the per-sample product with the scale/shift/square epilogue, the
             patches read in place on ``cpu``, ``cuda`` and ``triton``: implicit im2col), ``"gram"`` (no scale; the
             Gram form over patches built a chunk of samples at a time), or ``"auto"`` (Gram where
-            its flops are at most :data:`GRAM_CROSSOVER` of the tiled product's, as for Linear).
+            its flops are at most :data:`CONV_GRAM_CROSSOVER` of the tiled product's).
 
     Returns: float64 ``[B]``, formed as :func:`linear_sumsq`.
     """
     x, g, weight_shape, geom = _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups)
     scale = _check_weight_like("scale", scale, weight_shape, x.device)
     shift = _check_weight_like("shift", shift, weight_shape, x.device)
-    if method not in CONV_METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {CONV_METHODS}")
-    if method == "gram" and scale is not None:
-        raise ValueError("method 'gram' takes no scale; use 'tiled'")
-    if method == "auto":
-        T = g.shape[2] * g.shape[3]
-        d_out, d_in = weight_shape[0] // groups, math.prod(weight_shape[1:])
-        cheap = T * (d_in + d_out) <= GRAM_CROSSOVER * d_in * d_out
-        method = "gram" if scale is None and cheap else "tiled"
+    T, d_out, d_in = g.shape[2] * g.shape[3], weight_shape[0] // groups, math.prod(weight_shape[1:])
+    method = _pick_conv_method(method, T, d_out, d_in, scale is not None)
     backend = _backend.resolve(backend, x.device)
     if x.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=x.device)

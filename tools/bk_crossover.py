@@ -1,4 +1,5 @@
-"""Measure where book-keeping's Gram form stops beating the tiled product (sets ``GRAM_CROSSOVER``).
+"""Measure where book-keeping's Gram form stops beating the tiled product (sets ``GRAM_CROSSOVER``,
+and with ``--conv`` ``CONV_GRAM_CROSSOVER``).
 
 ``dpkernels.layers.linear_sumsq(method="auto")`` takes ``"gram"`` (``O(T²(d_in + d_out))`` per
 sample) over ``"tiled"`` (``O(T·d_in·d_out)``) when the flop model ``x = T·(d_in + d_out) / (d_in·d_out)``
@@ -14,6 +15,11 @@ Run it on an otherwise idle machine: the "other cores" column says how busy the 
 
     .venv/bin/python tools/bk_crossover.py                       # the full grid (minutes)
     .venv/bin/python tools/bk_crossover.py --T 2,16 --d 64 --pairs 256x1024 --repeats 3
+    .venv/bin/python tools/bk_crossover.py --conv                # 3x3 convs, padding 1
+
+``--conv``: 3×3 convolutions (padding 1, ``C_in = C_out = d`` over ``--d``, ``H = W`` over ``--hw``,
+so ``T = H²`` and ``d_in = 9·C_in``) through :func:`dpkernels.layers.conv2d_sumsq`: there the tiled
+product reads the patches in place while the Gram form builds them, so the crossover is lower.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from dpkernels.bench._timing import Provider, time_round_robin
 T_GRID = (2, 4, 8, 16, 32, 64, 128, 256)
 D_GRID = (64, 256, 1024)
 PAIRS = ((256, 1024), (1024, 64))  # d_in != d_out
+CONV_D_GRID = (32, 64, 128, 256)  # --conv: channels C_in = C_out
+HW_GRID = (2, 4, 8, 16)  # --conv: image sizes
 
 
 def _ints(text: str) -> list[int]:
@@ -57,25 +65,32 @@ def tiled_missing(backend: str) -> str | None:
     return why(backend)
 
 
-def measure(B: int, T: int, d_in: int, d_out: int, args) -> dict:
+def _operands(B: int, T: int, d_in: int, d_out: int, args):
+    """``norms(method)`` for one grid point: a linear layer ``[B, T, d]``, or with ``--conv`` a 3×3
+    conv with ``C_in = d_in / 9`` channels on an ``H × H`` image, ``T = H²``."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(B, T, d_in, generator=gen).to(args.device)
-    g = torch.randn(B, T, d_out, generator=gen).to(args.device)
+    if not args.conv:
+        a = torch.randn(B, T, d_in, generator=gen).to(args.device)
+        g = torch.randn(B, T, d_out, generator=gen).to(args.device)
+        return lambda m: layers.linear_sumsq(a, g, method=m, backend=args.backend)
+    H = math.isqrt(T)
+    x = torch.randn(B, d_in // 9, H, H, generator=gen).to(args.device)
+    g = torch.randn(B, d_out, H, H, generator=gen).to(args.device)
+    shape = (d_out, d_in // 9, 3, 3)
+    return lambda m: layers.conv2d_sumsq(x, g, shape, padding=1, method=m, backend=args.backend)
+
+
+def measure(B: int, T: int, d_in: int, d_out: int, args) -> dict:
+    norms = _operands(B, T, d_in, d_out, args)
     providers = [
-        Provider(
-            m,
-            "dpkernels",
-            call=lambda m=m: layers.linear_sumsq(a, g, method=m, backend=args.backend),
-            skip=args.tiled_skip if m == "tiled" else None,
-        )
+        Provider(m, "dpkernels", call=lambda m=m: norms(m), skip=args.tiled_skip if m == "tiled" else None)
         for m in ("gram", "tiled")
     ]
     res = time_round_robin(providers, args.repeats, args.warmup, args.budget, device=args.device)
     other = res.pop("_other_cpu_cores")
     med = {m: statistics.median(r["times_s"]) for m, r in res.items() if r["times_s"]}
     if "gram" in med and "tiled" in med:  # the two agree (a sanity check on the kernels timed)
-        sg = layers.linear_sumsq(a, g, method="gram", backend=args.backend)
-        st = layers.linear_sumsq(a, g, method="tiled", backend=args.backend)
+        sg, st = norms("gram"), norms("tiled")
         rel = float((sg - st).abs().max() / st.abs().max())
     else:
         rel = None
@@ -83,9 +98,15 @@ def measure(B: int, T: int, d_in: int, d_out: int, args) -> dict:
         "B": B, "T": T, "d_in": d_in, "d_out": d_out, "flop_model": flop_model(T, d_in, d_out),
         "gram_s": med.get("gram"), "tiled_s": med.get("tiled"),
         "gram_over_tiled": med["gram"] / med["tiled"] if len(med) == 2 else None,
-        "auto_picks": layers._pick_method("auto", T, d_out, d_in, False),
+        "auto_picks": _auto_picks(T, d_in, d_out, args.conv),
         "gram_vs_tiled_rel_diff": rel, "other_cpu_cores": other,
     }  # fmt: skip
+
+
+def _auto_picks(T: int, d_in: int, d_out: int, conv: bool) -> str:
+    if conv:
+        return "gram" if flop_model(T, d_in, d_out) <= layers.CONV_GRAM_CROSSOVER else "tiled"
+    return layers._pick_method("auto", T, d_out, d_in, False)
 
 
 def best_crossover(rows: list[dict]) -> tuple[float, float, float] | None:
@@ -111,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=_ints, default=list(T_GRID), help="(default %(default)s)")
     p.add_argument("--d", type=_ints, default=list(D_GRID), help="square layers d_in = d_out (default %(default)s)")
     p.add_argument("--pairs", type=_pairs, default=list(PAIRS), help="d_inxd_out,... (default 256x1024,1024x64)")
+    p.add_argument("--conv", action="store_true", help="3x3 convs (padding 1) instead of linear layers")
+    p.add_argument("--hw", type=_ints, default=list(HW_GRID), help="--conv: image sizes H = W (default %(default)s)")
     p.add_argument("--backend", default="cpu", help="dpkernels backend (default %(default)s)")
     p.add_argument("--device", default=None, help="tensor device (default: cuda for cuda/triton, else cpu)")
     p.add_argument("--repeats", type=int, default=7)
@@ -126,9 +149,15 @@ def main(argv=None) -> int:
     if args.tiled_skip:
         print(f"tiled not timed: {args.tiled_skip}", file=sys.stderr)
 
-    dims = [(d, d) for d in args.d] + list(args.pairs)
+    if args.conv:
+        dims = [(9 * d, d) for d in (args.d if args.d != list(D_GRID) else CONV_D_GRID)]
+        args.T = [h * h for h in args.hw]
+        name, current = "CONV_GRAM_CROSSOVER", layers.CONV_GRAM_CROSSOVER
+    else:
+        dims = [(d, d) for d in args.d] + list(args.pairs)
+        name, current = "GRAM_CROSSOVER", layers.GRAM_CROSSOVER
     print(f"backend {args.backend} on {args.device}, B={args.B}, fp32, {torch.get_num_threads()} threads; "
-          f"current GRAM_CROSSOVER = {layers.GRAM_CROSSOVER}")  # fmt: skip
+          f"current {name} = {current}")  # fmt: skip
     head = f"{'T':>4} {'d_in':>5} {'d_out':>5} {'flop model':>10} {'gram ms':>9} {'tiled ms':>9} {'gram/tiled':>10}"
     print(head + f" {'faster':>6} {'auto now':>8} {'other cores':>11}")
     rows = []
@@ -147,12 +176,12 @@ def main(argv=None) -> int:
         print("no point has both times: no GRAM_CROSSOVER suggestion")
     else:
         lo, hi, cost = best
-        print(f"least total slowdown over the grid ({cost:.3f}, summed time/best - 1): GRAM_CROSSOVER in "
+        print(f"least total slowdown over the grid ({cost:.3f}, summed time/best - 1): {name} in "
               f"[{lo:.4g}, {hi:.4g}) (gram where flop model <= it)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "device": args.device, "threads": torch.get_num_threads(),
-                       "rows": rows, "suggested_crossover": best}, f, indent=1)  # fmt: skip
+                       "conv": args.conv, "rows": rows, "suggested_crossover": best}, f, indent=1)  # fmt: skip
     return 0
 
 
