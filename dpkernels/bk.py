@@ -261,7 +261,7 @@ class _Conv2dRule(_WrappedRule):
 
     def conv_args(self):
         m = self.module
-        padding = 0 if m.padding == "valid" else m.padding
+        padding = (0, 0) if m.padding == "valid" else m.padding
         return (m.stride, padding, m.dilation, m.groups)
 
     def call(self, bk, x):

@@ -91,7 +91,8 @@ def _mlp():
 
 def _cnn():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2),
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2,
+                                                                              padding="valid"),
         nn.Flatten(), nn.Linear(6 * 3 * 3, 3),
     )  # fmt: skip
 
