@@ -206,10 +206,17 @@ class _WrappedRule(_Rule):
         return value
 
 
+def _records(bk, m: nn.Module) -> bool:
+    """Whether this call of a weight layer runs through the recording function: in a recorded
+    backward, when its weight or its bias trains (a frozen weight's layer still owes its bias's G)."""
+    trains = m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
+    return bk.recording and torch.is_grad_enabled() and trains
+
+
 class _LinearRule(_WrappedRule):
     def call(self, bk, x):
         m = self.module
-        if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
+        if not _records(bk, m):
             return F.linear(x, m.weight, m.bias)
         return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, None)
 
@@ -266,7 +273,7 @@ class _Conv2dRule(_WrappedRule):
 
     def call(self, bk, x):
         m = self.module
-        if not (bk.recording and torch.is_grad_enabled() and m.weight.requires_grad):
+        if not _records(bk, m):
             return m._conv_forward(x, m.weight, m.bias)
         return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
 

@@ -128,7 +128,7 @@ def _opacus_grad_samples(model, x, y, reduction="mean"):
         # Opacus's Embedding sampler ignores padding_idx; autograd's gradient is zero on that row.
         if isinstance(m, nn.Embedding) and m.padding_idx is not None:
             m.weight.grad_sample[:, m.padding_idx] = 0
-    return [p.grad_sample for p in gsm._module.parameters()]
+    return [p.grad_sample for p in gsm._module.parameters() if p.requires_grad]
 
 
 def _bk_run(model, batches, reduction="mean"):
@@ -261,6 +261,20 @@ def test_nonfinite_sample_raises_or_is_dropped(backend_device):
                                               backend="reference")  # fmt: skip
     # the mean loss of 5 samples scales each G by 5 (Opacus's rule): the per-sample gradients are those of the sum
     _close_sums(sums, [s.float() for s in want_s])
+
+
+def test_frozen_weight_trainable_bias(backend_device):
+    """A Linear/Conv2d whose weight is frozen still clips its bias (its G is recorded)."""
+    backend, _ = backend_device
+    model = _build("cnn")
+    model[0].weight.requires_grad_(False)
+    model[5].weight.requires_grad_(False)
+    x, y = MODELS["cnn"][1](4), torch.randint(0, 3, (4,))
+    want_s, want_n = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x, y), 0.5, backend="reference")
+    sums, norms = _bk_run(model, [(x, y)]).clip_and_accumulate(0.5, backend=backend)
+    torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
+    _close_sums(sums, [s.float() for s in want_s])
+    assert all(s.abs().sum() > 0 for s in sums)
 
 
 def test_tied_parameters_raise():
