@@ -3,10 +3,12 @@ gradients Opacus materialises, on every backend.
 
 Models: an MLP, a CNN with GroupNorm, Embedding + LayerNorm with expanded position ids, a small
 transformer (T = 32, attention from Linear layers), a model with a layer that has no BK rule and no
-Opacus grad sampler (functorch fallback), and a layer called twice per forward. Also shift/scale,
-per-layer clipping, gradient accumulation, an empty batch, non-finite samples, tied parameters,
-that wrapped layers get no weight gradient, and make_private(grad_sample_mode="bk") following the
-per-sample mode for every algorithm.
+Opacus grad sampler (functorch fallback), a Linear and a grouped Conv2d called several times per
+forward, and every layer fed a non-contiguous input (against per-sample autograd). Also
+shift/scale, per-layer clipping, gradient accumulation, an empty batch, non-finite samples, tied
+parameters, frozen weights with trainable biases, that wrapped layers get no weight gradient,
+make_private(grad_sample_mode="bk") following the per-sample mode for every algorithm (an MLP, and
+a CNN for the scaled and multi-set ones), and accelerate(criterion=...) with micro-batches.
 """
 
 import copy
@@ -85,6 +87,21 @@ class Reused(nn.Module):
         return self.head(h)
 
 
+class ReusedConv(nn.Module):
+    """A grouped Conv2d called twice per forward: its calls' patches are concatenated along T."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.cell = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.head = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.tanh(self.cell(h))
+        return self.head(h.flatten(1))
+
+
 def _mlp():
     return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
 
@@ -109,6 +126,7 @@ MODELS = {
     "transformer": (Transformer, lambda B: torch.randint(0, 23, (B, 32))),
     "fallback": (_fallback, lambda B: torch.randn(B, 5)),
     "reused": (Reused, lambda B: torch.randn(B, 6)),
+    "reused-conv": (ReusedConv, lambda B: torch.randn(B, 2, 5, 5)),
 }
 
 
