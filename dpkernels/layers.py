@@ -18,13 +18,15 @@ A shift adds ``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` to the first two, the mi
 being one GEMM of the forward's size. ``"auto"`` picks among them from the shapes and the scale
 (crossover measured in docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
 :func:`linear_weighted_sum` is ``(w ⊙ G)ᵀ A``, one GEMM over all ``B·T`` rows. Conv2d is the linear
-case over im2col patches (:func:`conv2d_sumsq`), Embedding a segment sum over (sample, token id).
+case over im2col patches (:func:`conv2d_sumsq`; its clipped sum :func:`conv2d_weighted_sum` is the
+layer's own weight gradient with ``w`` folded in), Embedding a segment sum over (sample, token id).
 
 Backends (op family ``layers``): ``reference`` materialises per-sample gradients in float64
 (dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
-and the tiled product as the native op ``dpkernels_C::linear_sumsq_tiled`` (csrc/cpu/layers.cpp,
-csrc/cuda/layers.cu); ``triton`` runs the tiled product in Triton (triton_kernels/layers.py). The
-tiled product of a conv reads its patches in place (implicit im2col) on every backend but ``reference``.
+and the tiled product as the native ops ``dpkernels_C::linear_sumsq_tiled`` and
+``dpkernels_C::conv2d_sumsq_tiled`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu); ``triton`` runs the
+tiled product in Triton (triton_kernels/layers.py). The tiled product of a conv reads its patches in
+place (implicit im2col) on every backend but ``reference``.
 """
 
 from __future__ import annotations
