@@ -272,8 +272,8 @@ def _triton_specs():
 
 def _layer_specs():
     """The BK layer norm kernel (triton_kernels/layers.py) with the tile configs its launchers use on
-    a GPU: linear inputs in fp32 (IEEE FMA dots) and 16-bit (tensor cores), with and without
-    shift+scale, and rows that are not 16-byte aligned (``d_out`` of a vocabulary head; ``d_in``
+    a GPU: linear inputs in fp32 (IEEE FMA dots) and 16-bit (tensor cores), with neither, either or
+    both of shift and scale, and rows that are not 16-byte aligned (``d_out`` of a vocabulary head; ``d_in``
     too); Conv2d inputs (``IS_CONV``, implicit im2col) in fp32 and bf16 with every geometry argument
     a runtime int, and a 3x3 stride-1 padding-1 conv whose ones the JIT specialises to constants
     (``g``'s planes unaligned: ``T = 7·7``)."""
@@ -288,23 +288,30 @@ def _layer_specs():
                  "a_stride_b", "a_stride_c", "g_stride_b", "g_stride_c")  # fmt: skip
     # Arguments a 3x3, stride 1, padding 1, dilation 1 conv passes as 1 (constexprs in the JIT).
     s1p1 = ("stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
-    variants = [  # name, dtype, shift+scale, rows of a (linear) or scale (conv) aligned, rows of g aligned, ones
-        ("fp32", "fp32", False, True, True, None),
-        ("fp32 shift+scale", "fp32", True, True, True, None),
-        ("fp32 shift+scale unaligned", "fp32", True, False, False, None),
-        ("bf16", "bf16", False, True, True, None),
-        ("bf16 shift+scale", "bf16", True, True, True, None),
-        ("bf16 shift+scale d_out unaligned", "bf16", True, True, False, None),
-        ("fp16 shift+scale", "fp16", True, True, True, None),
-        ("fp32 conv", "fp32", False, True, True, ()),
-        ("fp32 conv shift+scale", "fp32", True, True, True, ()),
-        ("fp32 conv 3x3 s1 p1 shift+scale unaligned", "fp32", True, False, False, s1p1),
-        ("bf16 conv", "bf16", False, True, True, ()),
-        ("bf16 conv shift+scale", "bf16", True, True, True, ()),
-        ("bf16 conv 3x3 s1 p1 shift+scale unaligned", "bf16", True, False, False, s1p1),
+    # name, dtype, (shift, scale), rows of a (linear) or scale (conv) aligned, rows of g aligned, ones.
+    # Scale alone is scale-then-privatize's case, shift alone a shift without preconditioner.
+    none, both, shift, scale = (False, False), (True, True), (True, False), (False, True)
+    variants = [
+        ("fp32", "fp32", none, True, True, None),
+        ("fp32 shift+scale", "fp32", both, True, True, None),
+        ("fp32 shift", "fp32", shift, True, True, None),
+        ("fp32 scale", "fp32", scale, True, True, None),
+        ("fp32 shift+scale unaligned", "fp32", both, False, False, None),
+        ("bf16", "bf16", none, True, True, None),
+        ("bf16 shift+scale", "bf16", both, True, True, None),
+        ("bf16 scale", "bf16", scale, True, True, None),
+        ("bf16 shift+scale d_out unaligned", "bf16", both, True, False, None),
+        ("fp16 shift+scale", "fp16", both, True, True, None),
+        ("fp32 conv", "fp32", none, True, True, ()),
+        ("fp32 conv shift+scale", "fp32", both, True, True, ()),
+        ("fp32 conv scale", "fp32", scale, True, True, ()),
+        ("fp32 conv 3x3 s1 p1 shift+scale unaligned", "fp32", both, False, False, s1p1),
+        ("bf16 conv", "bf16", none, True, True, ()),
+        ("bf16 conv shift+scale", "bf16", both, True, True, ()),
+        ("bf16 conv 3x3 s1 p1 shift+scale unaligned", "bf16", both, False, False, s1p1),
     ]
     specs = []
-    for variant, name, ss, in_aligned, out_aligned, ones in variants:
+    for variant, name, (has_shift, has_scale), in_aligned, out_aligned, ones in variants:
         is_conv = ones is not None
         elem, dtype = dtypes[name]
         blocks = blocks_of["conv" if is_conv else "linear"][dtype]
@@ -313,7 +320,7 @@ def _layer_specs():
         sig.update({n: "i32" for n in conv_args if n not in (ones or ())})
         vec = 128 // elem.primitive_bitwidth
         consts = dict(
-            HAS_SCALE=ss, HAS_SHIFT=ss, IS_CONV=is_conv, BLOCK_O=blocks.BLOCK_O, BLOCK_K=blocks.BLOCK_K,
+            HAS_SCALE=has_scale, HAS_SHIFT=has_shift, IS_CONV=is_conv, BLOCK_O=blocks.BLOCK_O, BLOCK_K=blocks.BLOCK_K,
             BLOCK_T=blocks.BLOCK_T, VEC_IN=vec if in_aligned else 1, VEC_OUT=vec if out_aligned else 1,
         )  # fmt: skip
         consts.update({n: 1 for n in ones or ()})
