@@ -35,8 +35,16 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(SOURCES)
 
 install: $(VENV)/.built
 
+# Then the tests that reach the CPU kernels again on every lower CPU path this machine runs
+# (DPKERNELS_CPU_CAPABILITY=avx2, default; the first run used the best one).
+LOWER_CPU_PATHS = $(PY) -c 'from dpkernels import _backend; print(*_backend.runnable_cpu_capabilities()[1:])'
+
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+	for cap in $$($(LOWER_CPU_PATHS)); do \
+	  echo "== the CPU suite with DPKERNELS_CPU_CAPABILITY=$$cap"; \
+	  DPKERNELS_CPU_CAPABILITY=$$cap $(PY) -m pytest $(PYTEST_ARGS) --cpu-kernels-only || exit 1; \
+	done
 
 bench: install
 	$(VENV)/bin/dpkernels bench $(BENCH_ARGS)

@@ -8,9 +8,10 @@ switches:
 - ``DPK_BUILD_CUDA=0|1``  force the CUDA part off or on (``1`` fails loudly if it cannot build).
 - ``DPK_SKIP_EXT=1``      pure-Python install: no compiler needed; the ``reference`` and
   ``triton`` backends still work.
-- ``DPK_CPU_ARCH``        extra ``-m`` flags for the CPU kernels (default: AVX2+FMA, plus AVX-512F
-  for the noise generator, when the build machine has them, since the wheel is built where it
-  runs).
+
+The CPU kernels are built once per instruction set (``dpkernels._cpu_avx512``, ``_cpu_avx2``,
+``_cpu_default``; tools/build_config.py ``CPU_CAPABILITIES``), whatever the building machine has:
+the package loads the best one the running CPU supports.
 """
 
 import importlib.util
@@ -60,7 +61,7 @@ def _extensions():
         ext_cls = cpp_extension.CUDAExtension
     else:
         ext_cls = cpp_extension.CppExtension
-    ext = ext_cls(
+    core = ext_cls(
         "dpkernels._C",
         sources,
         include_dirs=include_dirs,
@@ -68,8 +69,33 @@ def _extensions():
         extra_link_args=list(cfg.LINK_FLAGS),
         define_macros=define_macros,
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
-    return [ext], {"build_ext": build_ext}
+    cpu = [
+        cpp_extension.CppExtension(
+            f"dpkernels._cpu_{capability}",
+            cfg.cpu_kernel_sources(ROOT),
+            include_dirs=cfg.include_dirs(ROOT),
+            extra_compile_args={"cxx": cfg.cxx_flags(capability)},
+            extra_link_args=list(cfg.LINK_FLAGS),
+        )
+        for capability in cfg.CPU_CAPABILITIES
+    ]
+    return [core, *cpu], {"build_ext": _build_ext(cpp_extension)}
+
+
+def _build_ext(cpp_extension):
+    """torch's BuildExtension (ninja) with a temporary folder per extension: the CPU kernel modules
+    compile the same sources with different flags, whose objects must not share a path."""
+
+    class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        def build_extension(self, ext):
+            shared = self.build_temp
+            self.build_temp = os.path.join(shared, ext.name)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = shared
+
+    return BuildExtension
 
 
 ext_modules, cmdclass = _extensions()

@@ -7,7 +7,7 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
 - :func:`privatize`, the private gradient ``(Σ c_i g_i + σCz)/B`` with in-pass noise
 - :func:`philox_uint32`, :func:`chacha20_uint32`, :func:`gaussian_noise`, :func:`add_gaussian_noise_`
   (docs/RNG.md; ``rng="chacha20"`` is the secure mode)
-- :func:`available_backends`
+- :func:`available_backends`, :func:`cpu_capability` (the instruction set of the CPU kernels in use)
 - :func:`linear_filter_`, the generic fused IIR step; :class:`BLTNoise`, :class:`BandedNoise`
   (correlated noise for DP matrix factorisation, built on it)
 - :mod:`optim`: the fused DP optimizers (DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, DP2, DPPMLF)
@@ -16,7 +16,7 @@ Public ops (each runs on the ``reference``, ``cpu``, ``cuda`` and ``triton`` bac
   :func:`embedding_sumsq`, :func:`embedding_weighted_sum`, and the engine :class:`dpkernels.bk.BKModule`
 """
 
-from ._backend import BACKENDS, available_backends
+from ._backend import BACKENDS, available_backends, cpu_capability
 from .clip import CLIP_MODES, clip_and_accumulate, clip_factors, per_sample_norms, privatize, weighted_sum
 from .noise import RNGS, add_gaussian_noise_, chacha20_uint32, gaussian_noise, philox_uint32
 
@@ -44,6 +44,7 @@ __all__ = [
     "CLIP_MODES",
     "RNGS",
     "available_backends",
+    "cpu_capability",
     "clip_and_accumulate",
     "clip_factors",
     "per_sample_norms",

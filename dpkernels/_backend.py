@@ -13,6 +13,13 @@ BACKENDS = ("reference", "cpu", "cuda", "triton")
 _REBUILD = "reinstall with `make install` (or `pip install --no-build-isolation -e .`) on a machine with a C++ compiler"
 
 
+#: The instruction sets the CPU kernels are compiled for, best first, each its own module
+#: ``dpkernels._cpu_<capability>`` (tools/build_config.py ``CPU_CAPABILITIES``; ATen's names).
+CPU_CAPABILITIES = ("avx512", "avx2", "default")
+#: Forces a lower CPU path than the best the machine supports, as ``ATEN_CPU_CAPABILITY`` does for ATen.
+CPU_CAPABILITY_ENV = "DPKERNELS_CPU_CAPABILITY"
+
+
 def _load_extension():
     """The compiled extension, or None for a pure-Python install (``DPK_SKIP_EXT=1``)."""
     try:
@@ -21,17 +28,65 @@ def _load_extension():
         return None
 
 
+def _supported_cpu_capability() -> str:
+    """The best of :data:`CPU_CAPABILITIES` this CPU and OS run, as ATen decides it."""
+    name = torch.backends.cpu.get_cpu_capability().lower()
+    return name if name in CPU_CAPABILITIES else "default"
+
+
+def _load_cpu_kernels() -> tuple[str | None, object]:
+    """``(capability, module)``: the CPU kernel module loaded (which registers the kernels), the best
+    one built that this CPU runs, or no higher than :data:`CPU_CAPABILITY_ENV` asks."""
+    supported = _supported_cpu_capability()
+    forced = os.environ.get(CPU_CAPABILITY_ENV, "").strip().lower()
+    if forced and forced not in CPU_CAPABILITIES:
+        raise RuntimeError(f"{CPU_CAPABILITY_ENV}={forced!r}: expected one of {', '.join(CPU_CAPABILITIES)}")
+    if forced and CPU_CAPABILITIES.index(forced) < CPU_CAPABILITIES.index(supported):
+        raise RuntimeError(
+            f"{CPU_CAPABILITY_ENV}={forced!r} asks for more than this CPU runs ({supported!r}); it can "
+            "only force a lower path"
+        )
+    start = CPU_CAPABILITIES.index(forced or supported)
+    for capability in CPU_CAPABILITIES[start:]:
+        try:
+            return capability, importlib.import_module(f"dpkernels._cpu_{capability}")
+        except ImportError:
+            continue
+    return None, None
+
+
 # Probed once at import: what is installed does not change while the process runs, and plain
 # constants keep backend selection traceable by torch.compile.
 _EXTENSION = _load_extension()
+_CPU_CAPABILITY, _CPU_KERNELS = _load_cpu_kernels() if _EXTENSION is not None else (None, None)
 _HAS_CUDA_KERNELS = _EXTENSION is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
     "dpkernels_C::weighted_sum", "CUDA"
 )
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def has_cpu_kernels() -> bool:
+def has_native_ops() -> bool:
+    """True when the native ops ``torch.ops.dpkernels_C`` are defined (dpkernels._C loaded)."""
     return _EXTENSION is not None
+
+
+def has_cpu_kernels() -> bool:
+    """True when a CPU kernel module is loaded (:func:`cpu_capability`)."""
+    return _CPU_KERNELS is not None
+
+
+def runnable_cpu_capabilities() -> list[str]:
+    """The CPU kernel paths that are built and that this CPU runs, best first: the values
+    :data:`CPU_CAPABILITY_ENV` may take here."""
+    supported = CPU_CAPABILITIES.index(_supported_cpu_capability())
+    return [c for c in CPU_CAPABILITIES[supported:] if importlib.util.find_spec(f"dpkernels._cpu_{c}") is not None]
+
+
+def cpu_capability() -> str | None:
+    """The instruction set of the CPU kernels in use: ``"avx512"``, ``"avx2"`` or ``"default"``
+    (portable), or None without CPU kernels (a pure-Python install). The best this CPU runs, unless
+    ``DPKERNELS_CPU_CAPABILITY`` (set before importing dpkernels) forces a lower one."""
+    return _CPU_CAPABILITY
 
 
 def extension():
@@ -101,7 +156,7 @@ def resolve(backend: str, device: torch.device) -> str:
     tensors.
     """
     dev = device.type
-    if dev == "cpu" and backend in ("auto", "cpu") and _EXTENSION is not None:
+    if dev == "cpu" and backend in ("auto", "cpu") and _CPU_KERNELS is not None:
         # The common case, answered without probing CUDA and Triton (~0.1 ms with cold caches).
         return "cpu"
     usable = available_backends(device)

@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time torch.compile of the reference (default: on, off with --quick: compiling it cold "
         "takes 1-3 min per shape on 2 cores)",
     )
+    bench.add_argument(
+        "--cpu-paths",
+        action="store_true",
+        help="run the sections once per CPU kernel path this machine runs (avx512, avx2, default; each "
+        "forced with DPKERNELS_CPU_CAPABILITY in its own process) and compare them in one table and JSON",
+    )
     bench.set_defaults(func=_bench)
     _add_train(sub)
     return parser
@@ -214,6 +220,11 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.cpu_paths and args.device != "cpu":
+        print(
+            "dpkernels bench: error: --cpu-paths compares the CPU kernel paths; it needs --device cpu", file=sys.stderr
+        )
+        return 2
     preset = QUICK if args.quick else FULL
     cfg = BenchConfig(
         shapes=args.shapes,
@@ -226,8 +237,24 @@ def _bench(args: argparse.Namespace) -> int:
         sections=args.sections or [s for s in SECTIONS if not (args.quick and s in QUICK_OMITS)],
         device=args.device,
     )
-    run(cfg, json_path=args.json)
+    if args.cpu_paths:
+        from .bench import cpu_paths
+
+        cpu_paths.run(_bench_argv(args, cfg), json_path=args.json)
+    else:
+        run(cfg, json_path=args.json)
     return 0
+
+
+def _bench_argv(args: argparse.Namespace, cfg) -> list[str]:
+    """The ``dpkernels bench`` arguments of ``cfg`` for one CPU path's process (no --json, no --cpu-paths)."""
+    argv = ["bench", "--sections", ",".join(cfg.sections), "--shapes", ",".join(cfg.shapes)]
+    argv += ["--repeats", str(cfg.repeats), "--warmup", str(cfg.warmup), "--threads", str(cfg.threads)]
+    if cfg.quick:
+        argv.append("--quick")
+    if args.compile is not None:
+        argv.append("--compile" if args.compile else "--no-compile")
+    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:

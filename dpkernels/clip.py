@@ -138,7 +138,7 @@ CLIP = family(
 )
 
 
-if _backend.has_cpu_kernels():
+if _backend.has_native_ops():
 
     @torch.library.register_fake("dpkernels_C::per_sample_sumsq")
     def _(grads, coeffs, shift, scale):

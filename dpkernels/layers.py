@@ -366,7 +366,7 @@ class _TritonLayers(_AtenLayers):
         return conv2d_sumsq_tiled(x, g, geom.kernel_size, geom.stride, geom.padding, geom.dilation, scale, shift)
 
 
-if _backend.has_cpu_kernels():
+if _backend.has_native_ops():
 
     @torch.library.register_fake("dpkernels_C::linear_sumsq_tiled")
     def _(a, g, scale, shift):

@@ -40,6 +40,37 @@ def backend_device(request):
     return request.param
 
 
+_OTHER_BACKENDS = {"reference", "triton", "cuda"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-kernels-only",
+        action="store_true",
+        help="only the tests that can reach the cpu backend's kernels: to rerun the suite with each "
+        "lower CPU path forced (DPKERNELS_CPU_CAPABILITY; Makefile `test`)",
+    )
+
+
+def _other_backend(item) -> bool:
+    """True when the test runs only another backend (a parameter names it) or is marked so."""
+    if item.get_closest_marker("no_cpu_kernels"):
+        return True
+    params = getattr(item, "callspec", None)
+    params = params.params if params else {}
+    backend = params.get("backend_device", (params.get("backend"),))[0]
+    return backend in _OTHER_BACKENDS or params.get("device") == "cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--cpu-kernels-only"):
+        return
+    dropped = [item for item in items if _other_backend(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not _other_backend(item)]
+
+
 _POISONED = ("empty", "empty_like")
 
 

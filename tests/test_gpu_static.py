@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.no_cpu_kernels
+
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "gpu_static_check.py"
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from dpkernels import _kernel_args as ka
 
+pytestmark = pytest.mark.no_cpu_kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,9 +17,12 @@ from dpkernels.reference.layers import conv2d_sumsq, linear_sumsq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytestmark = pytest.mark.skipif(
-    "triton" not in dpkernels.available_backends(DEVICE), reason=f"triton backend not available on {DEVICE}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        "triton" not in dpkernels.available_backends(DEVICE), reason=f"triton backend not available on {DEVICE}"
+    ),
+    pytest.mark.no_cpu_kernels,
+]
 
 if "triton" in dpkernels.available_backends(DEVICE):
     from dpkernels.triton_kernels import layers as tl_layers

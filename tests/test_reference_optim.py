@@ -17,6 +17,8 @@ from dpkernels.pmlf import pmlf_grad_samples
 from dpkernels.reference import clip as ref_clip
 from dpkernels.reference import optim as _ref
 
+pytestmark = pytest.mark.no_cpu_kernels
+
 # The optimizers on backend="reference" (fp64-capable) and the reference's paper math.
 O = types.SimpleNamespace(  # noqa: E741
     **{name: functools.partial(getattr(_optim, name), backend="reference") for name in _optim.__all__},

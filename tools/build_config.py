@@ -14,10 +14,15 @@ As a script::
 Environment switches (read by the functions below, so by every build):
 
 - ``CUDA_HOME``     the toolkit root; found from the nvcc on PATH when unset (:func:`real_cuda_home`).
-- ``DPK_CPU_ARCH``  extra ``-m`` flags for the CPU kernels instead of the detected ones
-  (:func:`cpu_arch_flags`); ``DPK_CPU_ARCH=`` (empty) means none.
 - ``DPK_BUILD_CUDA=0|1`` and ``DPK_SKIP_EXT=1`` are read by setup.py (CMake has its own
   ``-DDPK_BUILD_CUDA=ON`` option).
+
+No flag depends on the machine that builds. The CPU kernels (:data:`CPU_KERNEL_SOURCE_GLOBS`) are
+compiled once per instruction set of :data:`CPU_CAPABILITIES` into their own extension module,
+``dpkernels._cpu_<capability>``; the package loads the best one the running CPU supports
+(dpkernels/_backend.py), as ATen's DispatchStub picks its kernels. Everything else
+(:data:`CORE_SOURCE_GLOBS`: the op schemas, the module, the CUDA kernels) goes into ``dpkernels._C``,
+compiled for the baseline x86-64.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import site
@@ -37,17 +43,33 @@ ROOT = Path(__file__).resolve().parent.parent
 # Include folder of the C++/CUDA sources (relative to ROOT).
 INCLUDE_DIRS = ("csrc/include",)
 
-# Source globs (relative to ROOT): C++ always, CUDA when the CUDA part is built.
-CXX_SOURCE_GLOBS = ("csrc/*.cpp", "csrc/cpu/*.cpp")
+# Source globs (relative to ROOT). dpkernels._C: the core C++ always, CUDA when the CUDA part is
+# built. dpkernels._cpu_<capability>: the CPU kernels, once per CPU_CAPABILITIES entry.
+CORE_SOURCE_GLOBS = ("csrc/*.cpp",)
 CUDA_SOURCE_GLOBS = ("csrc/cuda/*.cu",)
+CPU_KERNEL_SOURCE_GLOBS = ("csrc/cpu/*.cpp",)
+
+# Each CPU capability's flags, best first: ATen's own sets (its CPU_CAPABILITY_* defines select the
+# at::vec implementation; the names match torch.backends.cpu.get_cpu_capability()). Off x86-64
+# only the portable one is built.
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+CPU_CAPABILITIES = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"),
+    "default": ("-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"),
+}  # fmt: skip
+if not _X86:
+    CPU_CAPABILITIES = {"default": CPU_CAPABILITIES["default"]}
 
 # C++ flags of every translation unit (the CPU arch flags below come after them).
 # -ffp-contract=off: no FMA contraction, so the element math rounds as written (and as the
 # reference), the same in every translation unit whatever it inlines; SIMD kernels ask for FMAs
 # explicitly. -fno-math-errno: sqrt need not set errno, so loops calling it vectorise (same
 # results); both must be command-line flags (GCC fixes the builtins' attributes per translation
-# unit, before any #pragma GCC optimize).
-CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+# unit, before any #pragma GCC optimize). -g0: no debug info (Python's own CFLAGS ask for -g), which
+# halves the compile time of the template-heavy kernels (28 s to 15 s for csrc/cpu/clip.cpp).
+CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-g0")
 LINK_FLAGS = ("-fopenmp",)
 
 # nvcc flags of every .cu file (the -gencode list comes after them).
@@ -87,32 +109,10 @@ def real_cuda_home() -> str | None:
     return str(Path(match.group(1)).parent) if match else str(Path(nvcc).resolve().parent.parent)
 
 
-def cpu_arch_flags() -> list[str]:
-    """``-m`` flags (and at::vec's CPU_CAPABILITY defines) for the CPU kernels.
-
-    ``DPK_CPU_ARCH`` when set; otherwise AVX2+FMA, plus AVX-512F for the noise generator, when the
-    build machine has them, since the library is built where it runs.
-    """
-    if "DPK_CPU_ARCH" in os.environ:
-        return os.environ["DPK_CPU_ARCH"].split()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    if " avx2" not in flags or " fma" not in flags:
-        return []
-    # at::vec picks its AVX2 specialisations from CPU_CAPABILITY_AVX2 (the streaming kernels are
-    # memory-bound; 256-bit vectors saturate them).
-    arch = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    if " avx512f" in flags:
-        # The noise generator is compute-bound: it takes 16-lane Philox and Box-Muller paths.
-        arch.append("-mavx512f")
-    return arch
-
-
-def cxx_flags() -> list[str]:
-    """Every C++ compile flag: :data:`CXX_FLAGS` then :func:`cpu_arch_flags`."""
-    return [*CXX_FLAGS, *cpu_arch_flags()]
+def cxx_flags(capability: str | None = None) -> list[str]:
+    """Every C++ compile flag: :data:`CXX_FLAGS`, then for a CPU kernel module its capability's
+    (``None``: the core module, baseline x86-64)."""
+    return [*CXX_FLAGS, *(CPU_CAPABILITIES[capability] if capability else ())]
 
 
 def gencode_flags(archs=CUDA_ARCHS, ptx_arch: int | None = PTX_ARCH) -> list[str]:
@@ -152,10 +152,18 @@ def nvidia_include_dirs(site_dirs=None) -> list[str]:
     return [str(sp / spec) for spec in NVIDIA_INCLUDE_SPECS for sp in sites if (sp / spec).is_dir()]
 
 
-def sources(cuda: bool, root: Path = ROOT) -> list[str]:
-    """The extension's source files relative to ``root``, sorted within each glob."""
-    globs = [*CXX_SOURCE_GLOBS, *(CUDA_SOURCE_GLOBS if cuda else ())]
+def _glob(globs, root: Path) -> list[str]:
     return [str(p.relative_to(root)) for g in globs for p in sorted(root.glob(g))]
+
+
+def sources(cuda: bool, root: Path = ROOT) -> list[str]:
+    """dpkernels._C's source files relative to ``root``, sorted within each glob."""
+    return _glob([*CORE_SOURCE_GLOBS, *(CUDA_SOURCE_GLOBS if cuda else ())], root)
+
+
+def cpu_kernel_sources(root: Path = ROOT) -> list[str]:
+    """The source files of each dpkernels._cpu_<capability> module, relative to ``root``."""
+    return _glob(CPU_KERNEL_SOURCE_GLOBS, root)
 
 
 def torch_cuda_arch_list() -> list[str]:
@@ -169,9 +177,12 @@ def values() -> dict:
         "cuda_home": real_cuda_home() or "",
         "include_dirs": include_dirs(),
         "nvidia_include_dirs": nvidia_include_dirs(),
-        "cxx_source_globs": list(CXX_SOURCE_GLOBS),
+        "core_source_globs": list(CORE_SOURCE_GLOBS),
         "cuda_source_globs": list(CUDA_SOURCE_GLOBS),
+        "cpu_kernel_source_globs": list(CPU_KERNEL_SOURCE_GLOBS),
+        "cpu_capabilities": list(CPU_CAPABILITIES),
         "cxx_flags": cxx_flags(),
+        **{f"cxx_flags_{cap}": cxx_flags(cap) for cap in CPU_CAPABILITIES},
         "link_flags": list(LINK_FLAGS),
         "nvcc_flags": nvcc_flags(),
         "cuda_defines": [f"{name}={value}" for name, value in CUDA_DEFINES],

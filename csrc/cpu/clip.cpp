@@ -39,7 +39,7 @@ inline std::pair<fVec, fVec> load_step(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return {fVec::loadu(p), fVec::loadu(p + fVec::size())};
   } else {
-    auto [a, b] = at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(p));
+    auto [a, b] = cpu::to_float(at::vec::Vectorized<scalar_t>::loadu(p));
     return {a, b};
   }
 }

@@ -5,8 +5,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <sleef.h>
+#endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "dpkernels/chacha20.h"
@@ -19,10 +23,15 @@ namespace cpu {
 
 // One U32Vec holds one Philox word of kBatch consecutive blocks (lane-major), so counters are
 // built, rounds run and words converted to uniforms without transposes; only the final values
-// are put in element order. Three builds of the same operations:
-//   AVX-512  16 lanes; AVX2  8 lanes; portable  8 lanes in plain arrays (the compiler may still
-//   vectorise). Box-Muller is written once below on GCC vector types of kBatch lanes.
-// All three give the same words; their normals agree with the reference to a few ulps (tests).
+// are put in element order. Three builds of the same operations (kBatch blocks per run, in
+// kParts vectors VF of kBatch / kParts lanes each):
+//   AVX-512  16 blocks, one 16-lane vector;
+//   AVX2     16 blocks, two 8-lane vectors: independent chains, which hide the latency the
+//            polynomials leave exposed with one (Philox 1.8x, normals 1.1x faster than 8 blocks);
+//   portable 8 blocks in plain arrays, 16-byte vectors (the width every SIMD baseline has).
+// Box-Muller is written once below on GCC vector types. All three give the same words and the same
+// normals, bit for bit (every fused multiply-add stays fused); the normals agree with the
+// reference to a few ulps (tests).
 #if defined(__AVX512F__)
 constexpr int kBatch = 16;
 
@@ -53,7 +62,9 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   hi = {_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd)};
 }
 
-using VF = __m512;  // kBatch fp32 lanes (a GCC vector type, as VF below)
+using VF = __m512;         // kBatch fp32 lanes (a GCC vector type, as VF below)
+constexpr int kParts = 1;  // VF vectors per U32Vec
+inline __m512i part(const U32Vec& x, int) { return x.v; }
 
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
@@ -73,39 +84,54 @@ inline void store_element_order(const VF z[4], float* out) {
   _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(v2, v3, 0xDD));
 }
 
-#else
-constexpr int kBatch = 8;
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int kBatch = 16;
 
-#if defined(CPU_CAPABILITY_AVX2)
+// Two 8-lane registers per value: every operation below is two independent instructions, which
+// hides the latency of the polynomial chains that one register's worth of work leaves exposed.
 struct U32Vec {
-  __m256i v;
-  static U32Vec broadcast(uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
-  // (x, x + 1, ..., x + 7); the caller guarantees no lane wraps.
+  __m256i v[2];
+  static U32Vec broadcast(uint32_t x) {
+    const __m256i b = _mm256_set1_epi32(static_cast<int>(x));
+    return {{b, b}};
+  }
+  // (x, x + 1, ..., x + 15); the caller guarantees no lane wraps.
   static U32Vec iota(uint32_t x) {
-    return {
-        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(x)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))};
+    const __m256i lo =
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(x)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return {{lo, _mm256_add_epi32(lo, _mm256_set1_epi32(8))}};
   }
-  void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-  friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm256_xor_si256(a.v, b.v)}; }
-  friend U32Vec operator^(U32Vec a, uint32_t k) {
-    return {_mm256_xor_si256(a.v, _mm256_set1_epi32(static_cast<int>(k)))};
+  void store(uint32_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), v[1]);
   }
-  friend U32Vec operator+(U32Vec a, U32Vec b) { return {_mm256_add_epi32(a.v, b.v)}; }
+  friend U32Vec operator^(U32Vec a, U32Vec b) {
+    return {{_mm256_xor_si256(a.v[0], b.v[0]), _mm256_xor_si256(a.v[1], b.v[1])}};
+  }
+  friend U32Vec operator^(U32Vec a, uint32_t k) { return a ^ broadcast(k); }
+  friend U32Vec operator+(U32Vec a, U32Vec b) {
+    return {{_mm256_add_epi32(a.v[0], b.v[0]), _mm256_add_epi32(a.v[1], b.v[1])}};
+  }
 };
 
 inline U32Vec rotl32(U32Vec a, int n) {
-  return {_mm256_or_si256(_mm256_slli_epi32(a.v, n), _mm256_srli_epi32(a.v, 32 - n))};
+  for (__m256i& h : a.v) h = _mm256_or_si256(_mm256_slli_epi32(h, n), _mm256_srli_epi32(h, 32 - n));
+  return a;
 }
 
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
-  const __m256i even = _mm256_mul_epu32(a.v, mv);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), mv);
-  lo = {_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010)};
-  hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i even = _mm256_mul_epu32(a.v[h], mv);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v[h], 32), mv);
+    lo.v[h] = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010);
+    hi.v[h] = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010);
+  }
 }
 
 using VF = __m256;
+constexpr int kParts = 2;  // VF vectors per U32Vec
+inline __m256i part(const U32Vec& x, int h) { return x.v[h]; }
 
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
@@ -122,6 +148,8 @@ inline void store_element_order(const VF z[4], float* out) {
   _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(b26, b37, 0x31));
 }
 #else
+constexpr int kBatch = 8;
+
 struct U32Vec {
   uint32_t v[kBatch];
   static U32Vec broadcast(uint32_t x) {
@@ -158,20 +186,35 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
 }
 
-using VF = float __attribute__((vector_size(4 * kBatch)));
+// 16-byte vectors, the width every SIMD baseline has (SSE2, NEON): wider generic vectors would
+// have their compares and selects split into scalar code.
+constexpr int kParts = 2;  // VF vectors per U32Vec
+using VF = float __attribute__((vector_size(16)));
+using VUPart = uint32_t __attribute__((vector_size(16)));
+inline VUPart part(const U32Vec& x, int h) {
+  VUPart r;
+  __builtin_memcpy(&r, x.v + 4 * h, sizeof(r));
+  return r;
+}
 
 inline VF vsqrt(VF x) {
-  for (int i = 0; i < kBatch; ++i) x[i] = std::sqrt(x[i]);
+  for (int i = 0; i < 4; ++i) x[i] = std::sqrt(x[i]);
   return x;
 }
-inline VF vfma(VF a, VF b, VF c) { return a * b + c; }
+
+// The noise must be bit-identical on every path, so the fused multiply-add stays fused: the C
+// library's fmaf rounds once, as the FMA instruction does (one instruction where the target has
+// it; a correctly rounded software routine on baseline x86-64, ~27 ns per normal in all).
+inline VF vfma(VF a, VF b, VF c) {
+  for (int i = 0; i < 4; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+}
 
 inline void store_element_order(const VF z[4], float* out) {
-  for (int b = 0; b < kBatch; ++b) {
+  for (int b = 0; b < 4; ++b) {
     for (int j = 0; j < 4; ++j) out[4 * b + j] = z[j][b];
   }
 }
-#endif
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -179,14 +222,19 @@ inline void store_element_order(const VF z[4], float* out) {
 // sections give VF, vsqrt and store_element_order).
 // ---------------------------------------------------------------------------------------------
 
-using VU = uint32_t __attribute__((vector_size(4 * kBatch)));
-using VI = int32_t __attribute__((vector_size(4 * kBatch)));
-static_assert(sizeof(VF) == sizeof(VU) && sizeof(U32Vec) == sizeof(VU), "one lane per Philox block");
+constexpr int kVecLanes = kBatch / kParts;  // lanes of one VF
+using VU = uint32_t __attribute__((vector_size(4 * kVecLanes)));
+using VI = int32_t __attribute__((vector_size(4 * kVecLanes)));
+static_assert(sizeof(VF) == sizeof(VU) && sizeof(U32Vec) == kParts * sizeof(VU), "one lane per Philox block");
 
-// uniform_open0() of every lane: the conversion rounds to nearest-even as the scalar cast, and the
+// uniform_open0() of every lane of part h of x. float(w) is rounded once, as the scalar cast: two
+// exact conversions of 16-bit halves and one rounding add (a compiler's unsigned conversion may
+// instead convert as signed and add 2^32, rounding twice: 1 ulp off for some w on SSE2). The
 // product is exact.
-inline VF uniform_lanes(const U32Vec& x) {
-  const VF f = __builtin_convertvector(__builtin_bit_cast(VU, x), VF);
+inline VF uniform_lanes(const U32Vec& x, int h) {
+  const VU w = __builtin_bit_cast(VU, part(x, h));
+  const VF f = __builtin_convertvector(__builtin_bit_cast(VI, w >> 16), VF) * 65536.0f +
+               __builtin_convertvector(__builtin_bit_cast(VI, w & 0xFFFFu), VF);
   return f * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 }
 
@@ -203,17 +251,19 @@ struct VecLanes {
 };
 
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
-// order: z[4b + j] = normal j of block b.
+// order: z[4b + j] = normal j of block b. The parts are independent chains the core overlaps.
 inline void box_muller_lanes(const U32Vec w[4], float* z) {
-  VF out[4];
-  for (int pair = 0; pair < 2; ++pair) {
-    const VF r = vsqrt(-2.0f * log_open01<VecLanes>(uniform_lanes(w[2 * pair])));
-    sincos_2pi<VecLanes>(6.2831853071795865f * uniform_lanes(w[2 * pair + 1]), out[2 * pair],
-                         out[2 * pair + 1]);
-    out[2 * pair] = r * out[2 * pair];
-    out[2 * pair + 1] = r * out[2 * pair + 1];
+  for (int h = 0; h < kParts; ++h) {
+    VF out[4];
+    for (int pair = 0; pair < 2; ++pair) {
+      const VF r = vsqrt(-2.0f * log_open01<VecLanes>(uniform_lanes(w[2 * pair], h)));
+      sincos_2pi<VecLanes>(6.2831853071795865f * uniform_lanes(w[2 * pair + 1], h), out[2 * pair],
+                           out[2 * pair + 1]);
+      out[2 * pair] = r * out[2 * pair];
+      out[2 * pair + 1] = r * out[2 * pair + 1];
+    }
+    store_element_order(out, z + 4 * kVecLanes * h);
   }
-  store_element_order(out, z);
 }
 
 constexpr int64_t kRun = 4 * kBatch;  // elements per run
@@ -285,10 +335,42 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
   }
 }
 
+// (r cos theta, r sin theta), r = sqrt(-2 ln u0), theta = 2 pi u1, on kDoubleLanes lanes: Sleef's
+// 3.5-ulp log and sincos (one argument reduction for both) of this path's instruction set; the
+// portable path calls the C library's. The last-bit differences between them vanish in the one
+// rounding to the output dtype except within ~1e-15 of a rounding boundary (docs/RNG.md §6).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kDoubleLanes = 8;
+inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+  const __m512d r =
+      _mm512_sqrt_pd(_mm512_mul_pd(_mm512_set1_pd(-2.0), Sleef_logd8_u35avx512f(_mm512_loadu_pd(u0))));
+  const Sleef___m512d_2 sc =
+      Sleef_sincosd8_u35avx512f(_mm512_mul_pd(_mm512_set1_pd(6.283185307179586), _mm512_loadu_pd(u1)));
+  _mm512_storeu_pd(c, _mm512_mul_pd(r, sc.y));
+  _mm512_storeu_pd(s, _mm512_mul_pd(r, sc.x));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int kDoubleLanes = 4;
+inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+  const __m256d r =
+      _mm256_sqrt_pd(_mm256_mul_pd(_mm256_set1_pd(-2.0), Sleef_logd4_u35avx2(_mm256_loadu_pd(u0))));
+  const Sleef___m256d_2 sc =
+      Sleef_sincosd4_u35avx2(_mm256_mul_pd(_mm256_set1_pd(6.283185307179586), _mm256_loadu_pd(u1)));
+  _mm256_storeu_pd(c, _mm256_mul_pd(r, sc.y));
+  _mm256_storeu_pd(s, _mm256_mul_pd(r, sc.x));
+}
+#else
+constexpr int kDoubleLanes = 1;
+inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+  const double r = std::sqrt(-2.0 * std::log(*u0)), theta = 6.283185307179586 * *u1;
+  *c = r * std::cos(theta);
+  *s = r * std::sin(theta);
+}
+#endif
+
 // float64 standard normals of the kBatch blocks starting at `block`, element order (8 per block): the
-// uniform53()/box_muller64() formulas of chacha20.h with at::vec (Sleef) log/sin/cos.
+// uniform53()/box_muller64() formulas of chacha20.h, kDoubleLanes blocks at a time.
 inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
-  using VecD = at::vec::Vectorized<double>;
   alignas(64) uint32_t w[16 * kBatch];
   chacha_run(block, key, w);
   // u[i][b]: uniform i (0..7) of block b.
@@ -298,12 +380,8 @@ inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
   }
   alignas(64) double out[8][kBatch];
   for (int k = 0; k < 4; ++k) {
-    for (int b = 0; b < kBatch; b += VecD::size()) {
-      const VecD r = (VecD(-2.0) * VecD::loadu(&u[2 * k][b]).log()).sqrt();
-      const VecD theta = VecD(6.283185307179586) * VecD::loadu(&u[2 * k + 1][b]);
-      (r * theta.cos()).store(&out[2 * k][b]);
-      (r * theta.sin()).store(&out[2 * k + 1][b]);
-    }
+    for (int b = 0; b < kBatch; b += kDoubleLanes)
+      box_muller64_lanes(&u[2 * k][b], &u[2 * k + 1][b], &out[2 * k][b], &out[2 * k + 1][b]);
   }
   for (int b = 0; b < kBatch; ++b) {
     for (int i = 0; i < 8; ++i) z[8 * b + i] = out[i][b];

@@ -98,7 +98,7 @@ float* load_theta(scalar_t* p, int64_t m, float* buf) {
     using V = at::vec::Vectorized<scalar_t>;
     int64_t i = 0;
     for (; i + V::size() <= m; i += V::size()) {
-      const auto [a, b] = at::vec::convert_to_float<scalar_t>(V::loadu(p + i));
+      const auto [a, b] = cpu::to_float(V::loadu(p + i));
       a.store(buf + i);
       b.store(buf + i + Vec::size());
     }

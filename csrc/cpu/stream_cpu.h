@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/vec_convert.h>
 #include <unistd.h>
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "dpkernels/filter.h"
@@ -206,9 +208,21 @@ class OutputStore {
   bool streaming_ = false;
 };
 
+// The two fp32 halves of a 16-bit vector (c10::Half, c10::BFloat16), under every CPU capability
+// (ATen's convert_to_float is inline for AVX2 only; VecConvert is specialised for each).
+template <typename scalar_t>
+inline std::tuple<Vec, Vec> to_float(const at::vec::Vectorized<scalar_t>& v) {
+  const auto f = at::vec::VecConvert<float, 2, scalar_t, 1>::apply(at::vec::VectorizedN<scalar_t, 1>(v));
+  return {f[0], f[1]};
+}
+
 // Adds the fp32 lanes of v to fp64 accumulators (Vec::size() / DVec::size() of them).
 inline void widen_add(const Vec& v, DVec* d) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = v;
+  d[0] = d[0] + DVec(_mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  d[1] = d[1] + DVec(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+#elif defined(CPU_CAPABILITY_AVX2)
   const __m256 x = v;
   d[0] = d[0] + DVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
   d[1] = d[1] + DVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));

@@ -63,6 +63,7 @@ def machine_info(device: str = "cpu") -> dict:
         "cpu_count": os.cpu_count(),
         "l3_cache": read("/sys/devices/system/cpu/cpu0/cache/index3/size").strip() or None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "dpkernels_cpu_capability": dpkernels.cpu_capability(),
         "mem_total_gib": int(mem.group(1)) / 2**20 if mem else None,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -70,7 +71,7 @@ def machine_info(device: str = "cpu") -> dict:
         "backends_available": _backend.available_backends(device),
         "env": {
             k: os.environ[k]
-            for k in ("DPKERNELS_POISON_OUTPUTS", "TRITON_INTERPRET", "OMP_NUM_THREADS")
+            for k in ("DPKERNELS_POISON_OUTPUTS", _backend.CPU_CAPABILITY_ENV, "TRITON_INTERPRET", "OMP_NUM_THREADS")
             if k in os.environ
         },
     }

@@ -93,7 +93,7 @@ OPTIM = family(
     triton=_triton_optim,
 )
 
-if _backend.has_cpu_kernels():
+if _backend.has_native_ops():
     # The other three family ops mutate their arguments and return nothing: torch derives their fake kernels.
     @torch.library.register_fake("dpkernels_C::macadam_step_")
     def _(params, sums, state, noise, noise_state, noise_coeffs, noise_std, seed, step, stream, offset, hyper):

@@ -1,0 +1,125 @@
+"""Runtime CPU-capability dispatch: the CPU kernels are built once per instruction set
+(``dpkernels._cpu_avx512``, ``_cpu_avx2``, ``_cpu_default``) and the package loads the best one the
+CPU runs, or a lower one that ``DPKERNELS_CPU_CAPABILITY`` forces.
+
+- the loaded module is the one :func:`dpkernels.cpu_capability` reports, and it registered the ops;
+- a bad or too-high ``DPKERNELS_CPU_CAPABILITY`` fails with a message naming the problem;
+- every path this CPU runs gives bit-identical noise (Philox and ChaCha20 words, normals, noise
+  added in place, the fused optimizer step's in-pass noise), checked in one subprocess per path;
+- no AVX-512 instruction outside ``_cpu_avx512`` and no AVX instruction outside ``_cpu_avx2`` and
+  ``_cpu_avx512`` (objdump of the built modules).
+
+The whole suite also runs with each lower path forced (Makefile ``test``).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dpkernels
+from dpkernels import _backend
+
+pytestmark = pytest.mark.skipif(not _backend.has_cpu_kernels(), reason="no CPU kernel module (pure-Python install)")
+
+PKG = Path(dpkernels.__file__).parent
+
+
+def test_the_loaded_module_is_the_one_reported():
+    cap = dpkernels.cpu_capability()
+    forced = os.environ.get(_backend.CPU_CAPABILITY_ENV)
+    assert cap == (forced or _backend.runnable_cpu_capabilities()[0])
+    module = sys.modules[f"dpkernels._cpu_{cap}"]
+    assert module.capability == cap.upper()
+    assert not any(f"dpkernels._cpu_{c}" in sys.modules for c in _backend.CPU_CAPABILITIES if c != cap)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dpkernels_C::philox_uint32_", "CPU")
+
+
+@pytest.mark.parametrize(
+    "env, supported, match",
+    [("avx3", "avx512", "expected one of avx512, avx2, default"), ("avx512", "avx2", "only force a lower path")],
+)
+def test_bad_capability_requests_fail_clearly(monkeypatch, env, supported, match):
+    monkeypatch.setenv(_backend.CPU_CAPABILITY_ENV, env)
+    monkeypatch.setattr(_backend, "_supported_cpu_capability", lambda: supported)
+    with pytest.raises(RuntimeError, match=match):
+        _backend._load_cpu_kernels()
+
+
+_PROBE = r"""
+import hashlib, json, torch, dpkernels
+from dpkernels import optim
+
+def digest(*tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+out = {"capability": dpkernels.cpu_capability()}
+for n, offset in ((1, 0), (37, 5), (1000, 3), (4099, 0)):
+    words = dpkernels.philox_uint32(n, seed=11, step=3, offset=offset, backend="cpu")
+    normals = dpkernels.gaussian_noise(n, std=0.7, seed=11, step=3, offset=offset, backend="cpu")
+    secure = dpkernels.gaussian_noise(n, std=0.7, seed=11, step=3, offset=offset, rng="chacha20", backend="cpu")
+    chacha = dpkernels.chacha20_uint32(n, seed=2**200 + 7, step=3, offset=offset, backend="cpu")
+    added = [torch.linspace(-1, 1, n), torch.linspace(0, 1, 3).bfloat16()]
+    dpkernels.add_gaussian_noise_(added, 0.3, seed=11, step=3, offset=offset, backend="cpu")
+    added = [added[0], added[1].float()]
+    out[f"noise {n} {offset}"] = digest(words, normals, secure, chacha, *added)
+p = torch.nn.Parameter(torch.linspace(-1, 1, 1001))
+opt = optim.DPSGD([p], lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, seed=5, backend="cpu")
+p.grad_sample = torch.zeros(4, 1001)
+opt.step()
+out["dpsgd in-pass noise"] = digest(p.detach())
+print(json.dumps(out))
+"""
+
+
+def _probe(capability: str) -> dict:
+    env = {**os.environ, _backend.CPU_CAPABILITY_ENV: capability}
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_noise_bits_identical_on_every_path():
+    runs = {cap: _probe(cap) for cap in _backend.runnable_cpu_capabilities()}
+    assert all(r.pop("capability") == cap for cap, r in runs.items())
+    best, *others = runs
+    for cap in others:
+        assert runs[cap] == runs[best], f"{cap} differs from {best}"
+    assert len(runs) >= 2 or _backend.runnable_cpu_capabilities() == ["default"]
+
+
+def _objdump(path: Path) -> str:
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+@pytest.mark.skipif(not list(PKG.glob("_cpu_default.*.so")), reason="x86-64 build only")
+def test_no_wider_instructions_outside_their_module():
+    """AVX-512 (zmm or mask registers) only in _cpu_avx512; AVX (ymm) only there and in _cpu_avx2."""
+    avx512 = re.compile(r"%zmm\d|%k[1-7]\b")
+    avx = re.compile(r"%ymm\d")
+    for name, allowed in (
+        ("_C", ()),
+        ("_cpu_default", ()),
+        ("_cpu_avx2", ("avx",)),
+        ("_cpu_avx512", ("avx", "avx512")),
+    ):
+        (path,) = PKG.glob(f"{name}.*.so")
+        text = _objdump(path)
+        assert text, f"objdump gave nothing for {path}"
+        if "avx512" not in allowed:
+            hits = avx512.findall(text)
+            assert not hits, f"{path.name}: {len(hits)} AVX-512 operands"
+        if "avx" not in allowed:
+            hits = avx.findall(text)
+            assert not hits, f"{path.name}: {len(hits)} AVX operands"
+    assert avx512.search(_objdump(next(PKG.glob("_cpu_avx512.*.so"))))  # the check can see them
