@@ -287,3 +287,70 @@ def test_bench_layers_section(tmp_path, monkeypatch):
         if measured:
             assert t["auto_within_1_3x_gemm"] == (t["auto_over_gemm"] <= 1.3)
             assert t["auto_within_10pct_of_best"] == (t["auto_over_best_fixed"] <= 1.1)
+
+
+def _fake_record(philox_s: float, read_s: float, copy_s: float) -> dict:
+    """A ``dpkernels bench`` record of the noise, clip and step sections with constant rounds."""
+
+    def row(name, kind, t, nbytes=0):
+        return {"name": name, "kind": kind, "status": "ok", "times_s": [t] * 3, "bytes_moved": nbytes}
+
+    return {
+        "config": {"threads": 2},
+        "noise": {
+            "numel": 1000,
+            "providers": [
+                row("cpu philox", "dpkernels", philox_s),
+                row("cpu chacha20", "dpkernels", 3 * philox_s),
+                row("torch.normal", "baseline", 4e-3),
+            ],  # fmt: skip
+        },
+        "shapes": [
+            {
+                "name": "mlp",
+                "grad_bytes": 100,
+                "providers": [row("cpu", "dpkernels", 4e-3, 200), row("read", "bandwidth", read_s, 100)],
+            }
+        ],  # fmt: skip
+        "step": {
+            "providers": [
+                row("DPSGD", "dpkernels", 2e-3, 50),
+                row("copy", "bandwidth", copy_s, 100),
+                row("generator", "bandwidth", 1e-3, 40),
+            ]
+        },  # fmt: skip
+    }
+
+
+def test_cpu_paths_summary_pools_the_baselines():
+    """Each path's own medians against baselines pooled over every run: a slow copy or read in one
+    run moves every path's share alike."""
+    from dpkernels.bench import cpu_paths
+
+    runs = {"avx2": [_fake_record(1e-3, 2e-3, 1e-3), _fake_record(1e-3, 2e-3, 1e-3)],
+            "default": [_fake_record(2e-3, 2e-3, 1e-3), _fake_record(2e-3, 2e-3, 3e-3)]}  # fmt: skip
+    every = [r for recs in runs.values() for r in recs]
+    summ = {cap: cpu_paths.summarize(recs, every) for cap, recs in runs.items()}
+    assert summ["avx2"]["noise"]["philox_vs_torch_normal"] == pytest.approx(4.0)
+    assert summ["avx2"]["noise"]["chacha20_over_philox"] == pytest.approx(3.0)
+    assert summ["default"]["noise"]["philox_ns_per_normal_per_core"] == pytest.approx(2e-3 * 2 / 1000 * 1e9)
+    # clip moves 200 bytes in 4 ms against a read of 100 bytes in 2 ms: the same bandwidth
+    assert summ["avx2"]["clip_pct_read_bw"]["mlp"] == pytest.approx(100.0)
+    # pooled copy: median of (1, 1, 1, 3) ms over 12 rounds = 1 ms; the pass moves 50 B in 2 ms
+    assert summ["default"]["step_pct_copy_bw"]["DPSGD"] == pytest.approx(100 * (50 / 2e-3) / (100 / 1e-3))
+    assert summ["default"]["step_generator_ms"] == pytest.approx(1.0)
+    rel = cpu_paths.relative_to_best(summ)
+    assert rel["avx2"]["step_pct_copy_bw"]["DPSGD"] == 1.0 and rel["default"]["clip_pct_read_bw"]["mlp"] == 1.0
+
+
+def test_cpu_paths_needs_cpu_tensors_and_keeps_the_options(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["bench", "--cpu-paths", "--device", "cuda"]) == 2
+    assert "--cpu-paths compares the CPU kernel paths" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr("dpkernels.bench.cpu_paths.run", lambda argv, json_path: seen.update(argv=argv, json=json_path))
+    args = ["bench", "--cpu-paths", "--quick", "--sections", "noise,step", "--repeats", "3", "--no-compile"]
+    assert cli.main([*args, "--json", "x.json"]) == 0
+    assert seen["json"] == "x.json" and "--cpu-paths" not in seen["argv"] and "--json" not in seen["argv"]
+    again = cli.build_parser().parse_args(seen["argv"])
+    assert (again.quick, again.sections, again.repeats, again.compile) == (True, ["noise", "step"], 3, False)

@@ -49,13 +49,18 @@ CORE_SOURCE_GLOBS = ("csrc/*.cpp",)
 CUDA_SOURCE_GLOBS = ("csrc/cuda/*.cu",)
 CPU_KERNEL_SOURCE_GLOBS = ("csrc/cpu/*.cpp",)
 
-# Each CPU capability's flags, best first: ATen's own sets (its CPU_CAPABILITY_* defines select the
-# at::vec implementation; the names match torch.backends.cpu.get_cpu_capability()). Off x86-64
-# only the portable one is built.
+# Each CPU capability's flags, best first (the names match torch.backends.cpu.get_cpu_capability()).
+# The -m flags give the instruction set the generators (csrc/cpu/noise_cpu.h, which tests
+# __AVX512F__/__AVX2__) use; the CPU_CAPABILITY_* define picks ATen's at::vec width for the
+# streaming kernels. The AVX-512 module keeps at::vec at 256 bits, as every earlier build of
+# dpkernels did (docs/BENCHMARKS.md): those kernels are memory-bound, and one run each with 512-bit
+# and 256-bit at::vec this session showed no difference that outlived the run-to-run spread, while
+# the generator gains 1.5x from its 16 lanes. Off x86-64 only
+# the portable one is built.
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CPU_CAPABILITIES = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
+               "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX512"),
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"),
     "default": ("-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"),
 }  # fmt: skip

@@ -28,9 +28,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -70,7 +67,7 @@ constexpr int kDLanes = fVec::size() / dVec::size();
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
-// Rows of one SIMD transpose (transpose8x8) in the conv packing.
+// Rows of one SIMD transpose (at::vec::transpose_mxn<float, 8, 8>) in the conv packing.
 constexpr int64_t kTransposeRows = 8;
 static_assert(kNR % kTransposeRows == 0);
 
@@ -103,31 +100,6 @@ void pack_panels(const scalar_t* src, int64_t ld, int64_t rows, int64_t n, int64
     for (int64_t p = 0; p < panels; ++p)
       std::memcpy(dst + (p * rows + t) * W, tmp + p * W, W * sizeof(float));
   }
-}
-
-// dst[j][i] = src[i][j] for an 8 × 8 block of floats (row strides ld_src, ld_dst): 8 loads, 24
-// shuffles, 8 stores with AVX (ATen specialises transpose_mxn<float, 8, 8> for AVX2 builds only).
-inline void transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-#if defined(__AVX__)
-  __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c (and c + 4) of rows i..i+3
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    _mm256_storeu_ps(dst + c * ld_dst, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
-    _mm256_storeu_ps(dst + (c + 4) * ld_dst, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
-  }
-#else
-  at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, 8, 8);
-#endif
 }
 
 // Zeroes the columns [n, panels · W) of the packed chunk (tc rows): the last panel's padding.
@@ -284,7 +256,7 @@ struct ConvOperands {
           const float* src = cols + (p * kNR + v) * ld + t;
           float* to = dst + (p * tc + t) * kNR + v;
           if (t + kTransposeRows <= tc) {
-            transpose8x8(src, ld, to, kNR);
+            at::vec::transpose_mxn<float, kTransposeRows, kTransposeRows>(src, ld, to, kNR);
           } else {
             at::vec::transpose_mxn<float>(src, ld, to, kNR, kTransposeRows, tc - t);
           }

@@ -5,7 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX2__)
 #include <sleef.h>
 #endif
 
@@ -65,6 +65,8 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
 using VF = __m512;         // kBatch fp32 lanes (a GCC vector type, as VF below)
 constexpr int kParts = 1;  // VF vectors per U32Vec
 inline __m512i part(const U32Vec& x, int) { return x.v; }
+using ChachaVec = U32Vec;  // ChaCha20: one run at once
+constexpr int kChachaParts = 1;
 
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
@@ -84,54 +86,72 @@ inline void store_element_order(const VF z[4], float* out) {
   _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(v2, v3, 0xDD));
 }
 
-#elif defined(CPU_CAPABILITY_AVX2)
+#elif defined(__AVX2__)
 constexpr int kBatch = 16;
 
-// Two 8-lane registers per value: every operation below is two independent instructions, which
-// hides the latency of the polynomial chains that one register's worth of work leaves exposed.
-struct U32Vec {
-  __m256i v[2];
-  static U32Vec broadcast(uint32_t x) {
-    const __m256i b = _mm256_set1_epi32(static_cast<int>(x));
-    return {{b, b}};
+// One 8-lane register of Philox or ChaCha20 words.
+struct Lane8 {
+  __m256i v;
+  static Lane8 broadcast(uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
+  // (x, x + 1, ..., x + 7); the caller guarantees no lane wraps.
+  static Lane8 iota(uint32_t x) {
+    return {
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(x)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))};
   }
-  // (x, x + 1, ..., x + 15); the caller guarantees no lane wraps.
-  static U32Vec iota(uint32_t x) {
-    const __m256i lo =
-        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(x)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return {{lo, _mm256_add_epi32(lo, _mm256_set1_epi32(8))}};
-  }
-  void store(uint32_t* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v[0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), v[1]);
-  }
-  friend U32Vec operator^(U32Vec a, U32Vec b) {
-    return {{_mm256_xor_si256(a.v[0], b.v[0]), _mm256_xor_si256(a.v[1], b.v[1])}};
-  }
-  friend U32Vec operator^(U32Vec a, uint32_t k) { return a ^ broadcast(k); }
-  friend U32Vec operator+(U32Vec a, U32Vec b) {
-    return {{_mm256_add_epi32(a.v[0], b.v[0]), _mm256_add_epi32(a.v[1], b.v[1])}};
-  }
+  void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  friend Lane8 operator^(Lane8 a, Lane8 b) { return {_mm256_xor_si256(a.v, b.v)}; }
+  friend Lane8 operator^(Lane8 a, uint32_t k) { return a ^ broadcast(k); }
+  friend Lane8 operator+(Lane8 a, Lane8 b) { return {_mm256_add_epi32(a.v, b.v)}; }
 };
 
-inline U32Vec rotl32(U32Vec a, int n) {
-  for (__m256i& h : a.v) h = _mm256_or_si256(_mm256_slli_epi32(h, n), _mm256_srli_epi32(h, 32 - n));
-  return a;
+// AVX2 has no rotate; rotations by 16 and 8 (two of ChaCha20's four) move whole bytes, one shuffle.
+inline Lane8 rotl32(Lane8 a, int n) {
+  if (n == 16) {
+    return {_mm256_shuffle_epi8(a.v, _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2,
+                                                      3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13))};
+  }
+  if (n == 8) {
+    return {_mm256_shuffle_epi8(a.v, _mm256_setr_epi8(3, 0, 1, 2, 7, 4, 5, 6, 11, 8, 9, 10, 15, 12, 13, 14, 3,
+                                                      0, 1, 2, 7, 4, 5, 6, 11, 8, 9, 10, 15, 12, 13, 14))};
+  }
+  return {_mm256_or_si256(_mm256_slli_epi32(a.v, n), _mm256_srli_epi32(a.v, 32 - n))};
 }
 
-inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+inline void mulhilo32(uint32_t m, Lane8 a, Lane8& hi, Lane8& lo) {
   const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
-  for (int h = 0; h < 2; ++h) {
-    const __m256i even = _mm256_mul_epu32(a.v[h], mv);
-    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v[h], 32), mv);
-    lo.v[h] = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010);
-    hi.v[h] = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010);
-  }
+  const __m256i even = _mm256_mul_epu32(a.v, mv);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), mv);
+  lo = {_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010)};
+  hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
 }
+
+// Philox: two 8-lane registers per word, so every operation is two independent instructions,
+// which hides the latency of the chains that one register's worth of work leaves exposed.
+struct U32Vec {
+  Lane8 h[2];
+  static U32Vec broadcast(uint32_t x) { return {{Lane8::broadcast(x), Lane8::broadcast(x)}}; }
+  static U32Vec iota(uint32_t x) { return {{Lane8::iota(x), Lane8::iota(x + 8)}}; }
+  void store(uint32_t* p) const {
+    h[0].store(p);
+    h[1].store(p + 8);
+  }
+  friend U32Vec operator^(U32Vec a, U32Vec b) { return {{a.h[0] ^ b.h[0], a.h[1] ^ b.h[1]}}; }
+  friend U32Vec operator^(U32Vec a, uint32_t k) { return {{a.h[0] ^ k, a.h[1] ^ k}}; }
+  friend U32Vec operator+(U32Vec a, U32Vec b) { return {{a.h[0] + b.h[0], a.h[1] + b.h[1]}}; }
+};
+
+inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+  for (int i = 0; i < 2; ++i) mulhilo32(m, a.h[i], hi.h[i], lo.h[i]);
+}
+
+// ChaCha20: one 8-lane register per state word, the halves of a run one after the other (its 32
+// live words already fill the 16 registers).
+using ChachaVec = Lane8;
+constexpr int kChachaParts = 2;
 
 using VF = __m256;
 constexpr int kParts = 2;  // VF vectors per U32Vec
-inline __m256i part(const U32Vec& x, int h) { return x.v[h]; }
+inline __m256i part(const U32Vec& x, int h) { return x.h[h].v; }
 
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
@@ -185,6 +205,9 @@ inline U32Vec rotl32(U32Vec a, int n) {
 inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
 }
+
+using ChachaVec = U32Vec;  // ChaCha20: one run at once
+constexpr int kChachaParts = 1;
 
 // 16-byte vectors, the width every SIMD baseline has (SSE2, NEON): wider generic vectors would
 // have their compares and selects split into scalar code.
@@ -316,20 +339,29 @@ inline void normals(int64_t e0, int64_t n, const NoiseKey& key, float* out) {
 constexpr int64_t kChachaWordRun = 16 * kBatch;   // raw words per run
 constexpr int64_t kChachaNormalRun = 8 * kBatch;  // float64 normals per run
 
+// chacha20_rounds() of the kBatch blocks starting at `block` (a multiple of kBatch, so the
+// counter's low word never carries), lane-major: lanes[i][b] is word i of block b.
+inline void chacha_lanes(uint64_t block, const ChachaKey& key, uint32_t (&lanes)[16][kBatch]) {
+  constexpr int kLanes = kBatch / kChachaParts;
+  for (int part = 0; part < kChachaParts; ++part) {
+    ChachaVec x[16] = {ChachaVec::broadcast(kChacha0), ChachaVec::broadcast(kChacha1),
+                       ChachaVec::broadcast(kChacha2), ChachaVec::broadcast(kChacha3)};
+    for (int i = 0; i < 8; ++i) x[4 + i] = ChachaVec::broadcast(key.k[i]);
+    x[12] = ChachaVec::iota(static_cast<uint32_t>(block) + kLanes * part);
+    x[13] = ChachaVec::broadcast(static_cast<uint32_t>(block >> 32));
+    x[14] = ChachaVec::broadcast(key.step);
+    x[15] = ChachaVec::broadcast(key.stream);
+    chacha20_rounds(x);
+    for (int i = 0; i < 16; ++i) x[i].store(lanes[i] + kLanes * part);
+  }
+}
+
 // Words of the kBatch blocks starting at `block` (a multiple of kBatch, so the counter's low word
 // never carries), element order (16 words per block): chacha20_rounds() on kBatch states at
 // once, state word i of block b in lane b of x[i].
 inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
-  U32Vec x[16] = {U32Vec::broadcast(kChacha0), U32Vec::broadcast(kChacha1), U32Vec::broadcast(kChacha2),
-                  U32Vec::broadcast(kChacha3)};
-  for (int i = 0; i < 8; ++i) x[4 + i] = U32Vec::broadcast(key.k[i]);
-  x[12] = U32Vec::iota(static_cast<uint32_t>(block));
-  x[13] = U32Vec::broadcast(static_cast<uint32_t>(block >> 32));
-  x[14] = U32Vec::broadcast(key.step);
-  x[15] = U32Vec::broadcast(key.stream);
-  chacha20_rounds(x);
   alignas(64) uint32_t lanes[16][kBatch];
-  for (int i = 0; i < 16; ++i) x[i].store(lanes[i]);
+  chacha_lanes(block, key, lanes);
   for (int b = 0; b < kBatch; ++b) {
     for (int i = 0; i < 16; ++i) words[16 * b + i] = lanes[i][b];
   }
@@ -339,7 +371,7 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
 // 3.5-ulp log and sincos (one argument reduction for both) of this path's instruction set; the
 // portable path calls the C library's. The last-bit differences between them vanish in the one
 // rounding to the output dtype except within ~1e-15 of a rounding boundary (docs/RNG.md §6).
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512F__)
 constexpr int kDoubleLanes = 8;
 inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
   const __m512d r =
@@ -349,7 +381,7 @@ inline void box_muller64_lanes(const double* u0, const double* u1, double* c, do
   _mm512_storeu_pd(c, _mm512_mul_pd(r, sc.y));
   _mm512_storeu_pd(s, _mm512_mul_pd(r, sc.x));
 }
-#elif defined(CPU_CAPABILITY_AVX2)
+#elif defined(__AVX2__)
 constexpr int kDoubleLanes = 4;
 inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
   const __m256d r =
@@ -371,12 +403,22 @@ inline void box_muller64_lanes(const double* u0, const double* u1, double* c, do
 // float64 standard normals of the kBatch blocks starting at `block`, element order (8 per block): the
 // uniform53()/box_muller64() formulas of chacha20.h, kDoubleLanes blocks at a time.
 inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
-  alignas(64) uint32_t w[16 * kBatch];
-  chacha_run(block, key, w);
-  // u[i][b]: uniform i (0..7) of block b.
+  alignas(64) uint32_t w[16][kBatch];
+  chacha_lanes(block, key, w);
+  // u[i][b] = uniform53(w[2i][b], w[2i + 1][b]), 4 lanes at a time: the 53-bit integer
+  // hi 2^21 + (lo >> 11) is formed exactly in float64 (two exact conversions, a carry-free add).
+  using VU4 = uint32_t __attribute__((vector_size(16)));
+  using VD4 = double __attribute__((vector_size(32)));
   alignas(64) double u[8][kBatch];
-  for (int b = 0; b < kBatch; ++b) {
-    for (int i = 0; i < 8; ++i) u[i][b] = uniform53(w[16 * b + 2 * i], w[16 * b + 2 * i + 1]);
+  for (int i = 0; i < 8; ++i) {
+    for (int b = 0; b < kBatch; b += 4) {
+      VU4 lo, hi;
+      __builtin_memcpy(&lo, &w[2 * i][b], sizeof(lo));
+      __builtin_memcpy(&hi, &w[2 * i + 1][b], sizeof(hi));
+      const VD4 m = __builtin_convertvector(hi, VD4) * 0x1p21 + __builtin_convertvector(lo >> 11, VD4);
+      const VD4 v = m * 0x1p-53 + 0x1p-54;
+      __builtin_memcpy(&u[i][b], &v, sizeof(v));
+    }
   }
   alignas(64) double out[8][kBatch];
   for (int k = 0; k < 4; ++k) {

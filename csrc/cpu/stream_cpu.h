@@ -218,11 +218,7 @@ inline std::tuple<Vec, Vec> to_float(const at::vec::Vectorized<scalar_t>& v) {
 
 // Adds the fp32 lanes of v to fp64 accumulators (Vec::size() / DVec::size() of them).
 inline void widen_add(const Vec& v, DVec* d) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = v;
-  d[0] = d[0] + DVec(_mm512_cvtps_pd(_mm512_castps512_ps256(x)));
-  d[1] = d[1] + DVec(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
-#elif defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2)
   const __m256 x = v;
   d[0] = d[0] + DVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
   d[1] = d[1] + DVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
