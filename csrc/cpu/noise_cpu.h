@@ -372,33 +372,36 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
 // portable path calls the C library's. The last-bit differences between them vanish in the one
 // rounding to the output dtype except within ~1e-15 of a rounding boundary (docs/RNG.md §6).
 #if defined(__AVX512F__)
-constexpr int kDoubleLanes = 8;
-inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
-  const __m512d r =
-      _mm512_sqrt_pd(_mm512_mul_pd(_mm512_set1_pd(-2.0), Sleef_logd8_u35avx512f(_mm512_loadu_pd(u0))));
-  const Sleef___m512d_2 sc =
-      Sleef_sincosd8_u35avx512f(_mm512_mul_pd(_mm512_set1_pd(6.283185307179586), _mm512_loadu_pd(u1)));
-  _mm512_storeu_pd(c, _mm512_mul_pd(r, sc.y));
-  _mm512_storeu_pd(s, _mm512_mul_pd(r, sc.x));
-}
+using VD = __m512d;
+inline VD log_d(VD x) { return Sleef_logd8_u35avx512f(x); }
+inline Sleef___m512d_2 sincos_d(VD x) { return Sleef_sincosd8_u35avx512f(x); }  // {sin, cos}
+inline VD sqrt_d(VD x) { return _mm512_sqrt_pd(x); }
 #elif defined(__AVX2__)
-constexpr int kDoubleLanes = 4;
-inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
-  const __m256d r =
-      _mm256_sqrt_pd(_mm256_mul_pd(_mm256_set1_pd(-2.0), Sleef_logd4_u35avx2(_mm256_loadu_pd(u0))));
-  const Sleef___m256d_2 sc =
-      Sleef_sincosd4_u35avx2(_mm256_mul_pd(_mm256_set1_pd(6.283185307179586), _mm256_loadu_pd(u1)));
-  _mm256_storeu_pd(c, _mm256_mul_pd(r, sc.y));
-  _mm256_storeu_pd(s, _mm256_mul_pd(r, sc.x));
-}
+using VD = __m256d;
+inline VD log_d(VD x) { return Sleef_logd4_u35avx2(x); }
+inline Sleef___m256d_2 sincos_d(VD x) { return Sleef_sincosd4_u35avx2(x); }
+inline VD sqrt_d(VD x) { return _mm256_sqrt_pd(x); }
 #else
-constexpr int kDoubleLanes = 1;
-inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
-  const double r = std::sqrt(-2.0 * std::log(*u0)), theta = 6.283185307179586 * *u1;
-  *c = r * std::cos(theta);
-  *s = r * std::sin(theta);
-}
+using VD = double;
+inline VD log_d(VD x) { return std::log(x); }
+struct SinCos {
+  double x, y;
+};
+inline SinCos sincos_d(VD x) { return {std::sin(x), std::cos(x)}; }
+inline VD sqrt_d(VD x) { return std::sqrt(x); }
 #endif
+constexpr int kDoubleLanes = sizeof(VD) / sizeof(double);
+
+inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+  VD a, b;
+  __builtin_memcpy(&a, u0, sizeof(VD));
+  __builtin_memcpy(&b, u1, sizeof(VD));
+  const VD r = sqrt_d(-2.0 * log_d(a));
+  const auto sc = sincos_d(6.283185307179586 * b);
+  const VD zc = r * sc.y, zs = r * sc.x;
+  __builtin_memcpy(c, &zc, sizeof(VD));
+  __builtin_memcpy(s, &zs, sizeof(VD));
+}
 
 // float64 standard normals of the kBatch blocks starting at `block`, element order (8 per block): the
 // uniform53()/box_muller64() formulas of chacha20.h, kDoubleLanes blocks at a time.
