@@ -18,6 +18,7 @@
 #include "clip.cuh"
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
+#include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "multi_tensor.cuh"
 
@@ -180,17 +181,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   for (int c = lane; c < a.len[e]; c += kWarp) acc += p[c];
   acc = warp_sum(acc);
   if (lane == 0) out[i * L + a.first_param + e] = acc;
-}
-
-template <typename F>
-void dispatch_shift_scale(bool has_shift, bool has_scale, const F& f) {
-  using Y = std::true_type;
-  using N = std::false_type;
-  if (has_shift) {
-    has_scale ? f(Y{}, Y{}) : f(Y{}, N{});
-  } else {
-    has_scale ? f(N{}, Y{}) : f(N{}, N{});
-  }
 }
 
 at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,

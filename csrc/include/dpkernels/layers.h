@@ -52,21 +52,8 @@ DPK_HOST_DEVICE inline float bk_square(float p, float shift, float scale) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: the launchers' input checks and the epilogue's compile-time switches.
+// Host side: the launchers' input checks.
 // ---------------------------------------------------------------------------------------------
-
-// f(shift_tag, scale_tag) with std::true_type / std::false_type tags for the optional shift and
-// scale, so that each kernel instantiation compiles the epilogue it needs and nothing else.
-template <typename F>
-void dispatch_shift_scale(bool has_shift, bool has_scale, const F& f) {
-  using Y = std::true_type;
-  using N = std::false_type;
-  if (has_shift) {
-    has_scale ? f(Y{}, Y{}) : f(Y{}, N{});
-  } else {
-    has_scale ? f(N{}, Y{}) : f(N{}, N{});
-  }
-}
 
 struct LinearShape {
   int64_t B = 0, T = 0, d_in = 0, d_out = 0;
