@@ -8,6 +8,7 @@
 """
 
 import inspect
+import json
 import os
 
 import torch
@@ -50,6 +51,38 @@ def pytest_addoption(parser):
         help="only the tests that can reach the cpu backend's kernels: to rerun the suite with each "
         "lower CPU path forced (DPKERNELS_CPU_CAPABILITY; Makefile `test`)",
     )
+    parser.addoption(
+        "--report-lines",
+        metavar="PATH",
+        help="append one JSON line per test outcome to PATH as it happens (tools/gpu_check.py): a run "
+        "stopped early, or whose worker crashed, still says what passed and what failed",
+    )
+
+
+_report_lines = None
+
+
+def pytest_configure(config):
+    global _report_lines
+    path = config.getoption("--report-lines")
+    # Only where reports are gathered: the xdist controller (workers have ``workerinput``).
+    if path and not hasattr(config, "workerinput"):
+        _report_lines = open(path, "a", buffering=1)  # noqa: SIM115 (closed in pytest_unconfigure)
+
+
+def pytest_unconfigure(config):
+    if _report_lines is not None:
+        _report_lines.close()
+
+
+def pytest_runtest_logreport(report):
+    if _report_lines is None or (report.when != "call" and report.passed):
+        return
+    line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "s": round(report.duration, 3)}
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)  # absent when a worker crashed: a plain text
+        line["error"] = (crash.message if crash else report.longreprtext.strip()[-500:])[:500]
+    _report_lines.write(json.dumps(line) + "\n")
 
 
 def _other_backend(item) -> bool:

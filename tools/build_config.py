@@ -80,8 +80,13 @@ LINK_FLAGS = ("-fopenmp",)
 # nvcc flags of every .cu file (the -gencode list comes after them).
 NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo")
 # Machine code (SASS) for each of these; PTX for the last one too, so newer GPUs JIT it.
-CUDA_ARCHS = (80, 90)
-PTX_ARCH = 90
+# DPK_CUDA_ARCHS (comma-separated SM numbers, e.g. "90") builds for those instead: a GPU machine
+# checking its own build (tools/gpu_check.py) skips the others' nvcc passes.
+_ARCHS_ENV = os.environ.get("DPK_CUDA_ARCHS", "80,90")
+if not re.fullmatch(r"\d{2,3}(,\d{2,3})*", _ARCHS_ENV):
+    raise ValueError(f"DPK_CUDA_ARCHS must be comma-separated SM numbers such as 80,90; got {_ARCHS_ENV!r}")
+CUDA_ARCHS = tuple(int(a) for a in _ARCHS_ENV.split(","))
+PTX_ARCH = CUDA_ARCHS[-1]
 # Defined in every translation unit when the CUDA part is built.
 CUDA_DEFINES = (("DPK_WITH_CUDA", "1"),)
 

@@ -12,18 +12,26 @@ Steps (``make gpu-check``, or ``python3 tools/gpu_check.py``):
    packages (``--system-site-packages``; when that Python is itself a virtual environment, its
    site-packages too, through a ``.pth`` file), with the carried wheels installed offline;
 2. the extension built in place against that torch, CUDA part required
-   (``DPK_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .``);
+   (``DPK_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .``), for the GPU present
+   only (``DPK_CUDA_ARCHS``; ``--all-archs`` for every architecture: about 3 min on 16 cores);
 3. GPU, driver, CUDA, torch, Triton and package versions;
-4. ``python -m pytest`` over the whole suite (the CUDA and Triton-on-CUDA cases run when a GPU
-   is present; the suite skips what the machine lacks);
-5. ``dpkernels bench --device cuda`` (then ``$BENCH_ARGS``, default ``--quick``): the cuda and
-   triton backends timed on CUDA tensors (``--device cpu`` when rehearsing without a GPU).
+4. ``python -m pytest -k "cuda or gpu"`` (the cases that need the GPU; ``--all-tests`` for the
+   whole suite) in xdist workers, stopped after ``--tests-limit`` seconds (default 300), each
+   test's outcome written as it ends (``tests.jsonl``), so a run stopped early or a crashed
+   worker still shows what failed;
+5. ``dpkernels bench --device cuda`` (then ``$BENCH_ARGS``, default ``--quick``), stopped after
+   ``--bench-limit`` seconds (default 240): the cuda and triton backends timed on CUDA tensors
+   (``--device cpu`` when rehearsing without a GPU).
+
+A lent GPU machine gives a session about 15 minutes in all, the start included: the defaults fit
+one call of ``timeout_s`` 600 (build ~2 min, tests <= 5 min, bench ~2 min).
 
 Everything goes to one folder (``--out``; default ``$DPK_GPU_CHECK_OUT``, else ``$OUT``, else
-``gpu-check-out/``): ``gpu-check.log`` (every command and its output) and ``gpu-check.json``
-(versions, device, build, pytest counts, the bench results). Exit status 0 only when the build,
-the tests and the bench all passed and a GPU was used; without a GPU the check fails unless
-``--allow-no-gpu`` (or ``DPK_GPU_CHECK_ALLOW_NO_GPU=1``), which is for rehearsing it elsewhere.
+``gpu-check-out/``): ``gpu-check.log`` (every command and its output), ``gpu-check.json``
+(versions, device, build, test counts and failures, the bench results), ``tests.jsonl`` and
+``bench.json``. Exit status 0 only when the build, the tests and the bench all passed and a GPU
+was used; without a GPU the check fails unless ``--allow-no-gpu`` (or
+``DPK_GPU_CHECK_ALLOW_NO_GPU=1``), which is for rehearsing it elsewhere.
 
 Standard library only: it runs before the environment it sets up exists.
 """
@@ -31,17 +39,18 @@ Standard library only: it runs before the environment it sets up exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,8 +109,15 @@ class Log:
         stamp = datetime.datetime.now().strftime("%H:%M:%S")
         self.line(f"\n===== [{stamp}] {title}")
 
-    def run(self, cmd: list[str], *, env=None, cwd=ROOT, capture: bool = False) -> tuple[int, str, float]:
-        """Run ``cmd``, its output streamed into the log; ``(returncode, output, seconds)``."""
+    def run(
+        self, cmd: list[str], *, env=None, cwd=ROOT, capture: bool = False, limit_s: float | None = None
+    ) -> tuple[int, str, float]:
+        """Run ``cmd``, its output streamed into the log; ``(returncode, output, seconds)``.
+
+        After ``limit_s`` seconds its whole process group gets SIGINT (pytest then still reports),
+        and SIGKILL 30 s later: a lent GPU machine's time is short, and the steps after this one
+        (the bench) must still run.
+        """
         self.line("$ " + shlex.join(map(str, cmd)))
         t0 = time.perf_counter()
         chunks = []
@@ -114,15 +130,33 @@ class Log:
                 stderr=subprocess.STDOUT,
                 text=True,
                 errors="replace",
+                start_new_session=limit_s is not None,
             )
         except OSError as exc:
             self.line(f"(could not start: {exc})")
             return 127, str(exc), 0.0
+        timers = []
+        if limit_s is not None:
+
+            def stop(sig):
+                self.line(f"(time limit {limit_s:.0f} s reached: {sig.name})")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+
+            timers = [
+                threading.Timer(limit_s, stop, (signal.SIGINT,)),
+                threading.Timer(limit_s + 30, stop, (signal.SIGKILL,)),
+            ]
+            for timer in timers:
+                timer.daemon = True
+                timer.start()
         for text in proc.stdout:
             chunks.append(text)
             if not capture:
                 self.write(text)
         rc = proc.wait()
+        for timer in timers:
+            timer.cancel()
         out = "".join(chunks)
         if capture:
             self.file.write(out)
@@ -149,8 +183,8 @@ def _probe_host(log: Log) -> dict:
         if rc == 0:
             host["nvidia_smi"] = [ln.strip() for ln in out.splitlines() if ln.strip()]
             first = [f.strip() for f in host["nvidia_smi"][0].split(",")] if host["nvidia_smi"] else []
-            if len(first) >= 2:
-                host["driver"] = first[1]
+            if len(first) >= 4:
+                host["driver"], host["compute_cap"] = first[1], first[3]
     else:
         log.line("nvidia-smi: not on PATH")
     nvcc = shutil.which("nvcc")
@@ -232,8 +266,8 @@ import importlib.metadata as md, json, platform, sys
 import torch
 out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
        "cuda_available": torch.cuda.is_available()}
-for name in ("triton", "numpy", "scipy", "opacus", "dp-accounting", "pytest", "pytest-xdist", "pytest-benchmark",
-             "hypothesis", "rich", "ninja", "setuptools", "dpkernels"):
+for name in ("triton", "numpy", "scipy", "opacus", "dp-accounting", "pytest", "pytest-xdist", "pytest-timeout",
+             "pytest-benchmark", "hypothesis", "rich", "ninja", "setuptools", "dpkernels"):
     try:
         out[name] = md.version(name)
     except md.PackageNotFoundError:
@@ -263,52 +297,97 @@ def _probe_versions(log: Log, vpy: Path, env: dict) -> dict:
         return {"error": f"probe exited {rc}"}
 
 
-def _junit_counts(path: Path) -> dict:
-    """Totals, and the CUDA cases (backend-device ids ``cuda-cuda`` / ``triton-cuda``) by outcome."""
-    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    cuda = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures = []
-    root = ET.parse(path).getroot()
-    for case in root.iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        outcome = "passed"
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome = {"failure": "failed", "error": "errors", "skipped": "skipped"}[child.tag]
-                break
-        counts["tests"] += 1
-        counts[outcome] += 1
-        if "cuda-cuda" in name or "triton-cuda" in name:
-            cuda[outcome] += 1
-        if outcome in ("failed", "errors"):
-            failures.append(name)
-    return {**counts, "cuda_cases": cuda, "failures": failures[:200]}
+# Each case raises an error on purpose, in a process of its own (``python -c _RAISE_PROBE CASE``). The
+# first GPU run (docs/BENCHMARKS.md) saw every dpkernels CUDA op that rejects its input kill the
+# process with SIGSEGV, while torch's own errors raised: these cases tell where it happens.
+_RAISE_CASES = {
+    "torch_cuda": "torch.ones(2, device='cuda').view(3)",
+    "dpkernels_cpu_shape": "pipeline([torch.randn(5, 3), torch.randn(4, 2)])",
+    "dpkernels_cuda_shape": "pipeline([torch.randn(5, 3, device='cuda'), torch.randn(4, 2, device='cuda')])",
+    "dpkernels_cuda_nonfinite": "pipeline([torch.full((5, 3), float('nan'), device='cuda')])",
+}
+_RAISE_PROBE = r"""
+import sys
+import torch
+import dpkernels
+
+def pipeline(grads):  # dpkernels_C::clip_pipeline (csrc/ops.cpp), plain clipping, nonfinite="raise"
+    torch.ops.dpkernels_C.clip_pipeline(grads, [1.0], [0.8], "clip", 0.0, [], [], False, False, 1.0, "none", 0.0,
+                                        [], 0, 0, 1.0, [])
+
+try:
+    exec(sys.argv[1])
+    print("raised nothing")
+except Exception as exc:
+    print(f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+"""
 
 
-def _run_tests(log: Log, vpy: Path, env: dict, pytest_args: list[str] | None, tmp: Path, versions: dict) -> dict:
-    if pytest_args is None:
-        # pytest-xdist workers when the machine has it (as `make test`); the suite is mostly
-        # single-threaded interpreter work and kernel compilation.
-        pytest_args = ["-n", "auto", "--maxprocesses", "8"] if versions.get("pytest-xdist") else []
-    junit = tmp / "junit.xml"
-    cmd = [str(vpy), "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args]
-    rc, _, secs = log.run(cmd, env=env)
-    res = {"args": pytest_args, "rc": rc, "elapsed_s": secs}
-    if junit.exists():
-        res.update(_junit_counts(junit))
-    # pytest exit codes: 0 all passed, 1 some failed, 5 none collected; anything else is an error.
-    res["ok"] = rc == 0
+def _probe_raises(log: Log, vpy: Path, env: dict, gpu: bool) -> dict:
+    """Run each :data:`_RAISE_CASES` case; the first that dies is run again under ``cuda-gdb`` (a
+    host debugger too) for the native stack of the crash."""
+    res = {}
+    gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
+    for name, code in _RAISE_CASES.items():
+        if "cuda" in name and not gpu:
+            continue
+        cmd = [str(vpy), "-c", _RAISE_PROBE, code]
+        rc, out, _ = log.run(cmd, env=env, capture=True)
+        res[name] = {"rc": rc, "out": out.strip()[-300:]}
+        if rc != 0 and gdb and not any("backtrace" in r for r in res.values()):
+            _, trace, _ = log.run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], env=env, limit_s=120)
+            res[name]["backtrace"] = [ln for ln in trace.splitlines() if ln.startswith("#")][:40]
     return res
 
 
-def _run_bench(log: Log, venv: Path, env: dict, bench_args: list[str], tmp: Path, gpu: bool) -> dict:
+def _line_counts(path: Path) -> dict:
+    """Totals from the per-test lines of ``--report-lines`` (tests/conftest.py), written as each test
+    ends: they survive a run stopped at its time limit or a worker that crashed. The CUDA cases are
+    the parametrizations ``cuda-cuda`` / ``triton-cuda`` (and ``device=cuda``)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    cuda = dict(counts)
+    failures = []
+    for text in path.read_text().splitlines() if path.exists() else []:
+        rec = json.loads(text)
+        outcome = rec["outcome"]
+        counts[outcome] += 1
+        if "cuda" in rec["nodeid"].rsplit("[", 1)[-1]:
+            cuda[outcome] += 1
+        if outcome == "failed":
+            failures.append(f"{rec['nodeid']} ({rec['when']}): {rec.get('error', '')[:300]}")
+    return {**counts, "tests": sum(counts.values()), "cuda_cases": cuda, "failures": failures[:300]}
+
+
+def _run_tests(log: Log, vpy: Path, env: dict, args: argparse.Namespace, out_dir: Path, versions: dict) -> dict:
+    pytest_args = args.pytest_args
+    if pytest_args is None:
+        # The cases that need the GPU (CI runs every other one on every change), in xdist workers
+        # when the machine has them; each test at most 120 s when pytest-timeout is there.
+        pytest_args = [] if args.all_tests else ["-k", "cuda or gpu"]
+        if versions.get("pytest-xdist"):
+            pytest_args += ["-n", "auto", "--maxprocesses", "16"]
+        if versions.get("pytest-timeout"):
+            pytest_args += ["--timeout", "120"]
+    lines = out_dir / "tests.jsonl"
+    lines.unlink(missing_ok=True)
+    cmd = [str(vpy), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", f"--report-lines={lines}", *pytest_args]
+    rc, _, secs = log.run(cmd, env=env, limit_s=args.tests_limit)
+    res = {"args": pytest_args, "rc": rc, "elapsed_s": secs, "lines": str(lines), **_line_counts(lines)}
+    res["stopped_at_limit"] = secs >= args.tests_limit
+    # pytest exit codes: 0 all passed, 1 some failed, 5 none collected; anything else is an error.
+    res["ok"] = rc == 0 and not res["stopped_at_limit"]
+    return res
+
+
+def _run_bench(log: Log, venv: Path, env: dict, args: argparse.Namespace, out_dir: Path, gpu: bool) -> dict:
     """``dpkernels bench`` on CUDA tensors when a GPU was found (CPU tensors when rehearsing
     without one), then ``bench_args`` (which may name another ``--device``)."""
     exe = str(venv / "bin" / "dpkernels")
-    out_json = tmp / "bench.json"
+    out_json = out_dir / "bench.json"
     device = "cuda" if gpu else "cpu"
-    rc, _, secs = log.run([exe, "bench", "--json", str(out_json), "--device", device, *bench_args], env=env)
-    res: dict = {"device": device, "args": bench_args, "rc": rc, "elapsed_s": secs, "ok": rc == 0}
+    cmd = [exe, "bench", "--json", str(out_json), "--device", device, *args.bench_args]
+    rc, _, secs = log.run(cmd, env=env, limit_s=args.bench_limit)
+    res: dict = {"device": device, "args": args.bench_args, "rc": rc, "elapsed_s": secs, "ok": rc == 0}
     if out_json.exists():
         try:
             res["results"] = json.loads(out_json.read_text())
@@ -349,70 +428,77 @@ def check(args: argparse.Namespace) -> int:
         log.close()
         return 0 if ok else 1
 
-    with tempfile.TemporaryDirectory(prefix="dpk_gpu_check_") as tmp_name:
-        tmp = Path(tmp_name)
-        log.section("machine")
-        report["host"] = _probe_host(log)
+    log.section("machine")
+    report["host"] = _probe_host(log)
 
-        log.section(f"virtual environment {args.venv} on {args.python}")
-        try:
-            pip, vpy, env = _make_venv(log, args.python, Path(args.venv))
-        except RuntimeError as exc:
-            report["venv"] = {"ok": False, "error": str(exc)}
-            return finish(False, "venv")
-        report["venv"] = {"ok": True, "path": str(args.venv), "base_python": args.python}
+    log.section(f"virtual environment {args.venv} on {args.python}")
+    try:
+        pip, vpy, env = _make_venv(log, args.python, Path(args.venv))
+    except RuntimeError as exc:
+        report["venv"] = {"ok": False, "error": str(exc)}
+        return finish(False, "venv")
+    report["venv"] = {"ok": True, "path": str(args.venv), "base_python": args.python}
 
-        log.section(f"carried wheels ({args.wheels})")
-        report["wheels"] = _install_wheels(log, pip, vpy, env, Path(args.wheels))
-        if not report["wheels"]["ok"]:
-            return finish(False, "wheels")
+    log.section(f"carried wheels ({args.wheels})")
+    report["wheels"] = _install_wheels(log, pip, vpy, env, Path(args.wheels))
+    if not report["wheels"]["ok"]:
+        return finish(False, "wheels")
 
-        log.section("build (DPK_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .)")
-        build_env = {**env, "DPK_BUILD_CUDA": "1"}
-        cmd = [*pip, "install", "--no-build-isolation", "--no-deps", "-v", "-e", str(ROOT)]
-        rc, out, secs = log.run(cmd, env=build_env)
-        report["build"] = {"ok": rc == 0, "rc": rc, "elapsed_s": secs}
-        if rc != 0:
-            errors = [ln.strip() for ln in out.splitlines() if "error" in ln.lower() and "-Werror" not in ln]
-            report["build"]["errors"] = errors[:30] or out.splitlines()[-30:]
+    log.section("build (DPK_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .)")
+    build_env = {**env, "DPK_BUILD_CUDA": "1"}
+    sm = report["host"].get("compute_cap", "").replace(".", "")
+    if sm and not args.all_archs:  # this GPU's SASS and PTX only: a third less nvcc time
+        build_env["DPK_CUDA_ARCHS"] = sm
+        log.line(f"DPK_CUDA_ARCHS={sm} (this GPU; --all-archs builds every architecture)")
+    cmd = [*pip, "install", "--no-build-isolation", "--no-deps", "-v", "-e", str(ROOT)]
+    rc, out, secs = log.run(cmd, env=build_env)
+    report["build"] = {"ok": rc == 0, "rc": rc, "elapsed_s": secs}
+    if rc != 0:
+        errors = [ln.strip() for ln in out.splitlines() if "error" in ln.lower() and "-Werror" not in ln]
+        report["build"]["errors"] = errors[:30] or out.splitlines()[-30:]
 
-        log.section("versions")
-        versions = _probe_versions(log, vpy, env)
-        report["versions"] = versions
-        report["device"] = versions.get("device")
-        dev = versions.get("device") or {}
-        log.line(
-            f"GPU: {dev.get('name', 'none')} (sm {dev.get('capability', '-')}), driver "
-            f"{report['host'].get('driver', '-')}, {report['host'].get('nvcc') or 'no nvcc'}; "
-            f"torch {versions.get('torch')} (CUDA {versions.get('torch_cuda')}), triton {versions.get('triton')}, "
-            f"python {versions.get('python')}; dpkernels backends: cpu {versions.get('backends_cpu')}, "
-            f"cuda {versions.get('backends_cuda')}"
-        )
-        if rc != 0:
-            return finish(False, "build")
-        if not versions.get("dpkernels_cuda_kernels"):
-            report["build"]["ok"] = False
-            return finish(False, "build (no CUDA kernels in the extension)")
-        gpu = bool(versions.get("cuda_available"))
-        if not gpu and not args.allow_no_gpu:
-            log.line("no GPU visible to torch (torch.cuda.is_available() is False)")
-            return finish(False, "no GPU")
-        if gpu and "cuda" not in versions.get("backends_cuda", []):
-            return finish(False, "cuda backend unavailable")
+    log.section("versions")
+    versions = _probe_versions(log, vpy, env)
+    report["versions"] = versions
+    report["device"] = versions.get("device")
+    dev = versions.get("device") or {}
+    log.line(
+        f"GPU: {dev.get('name', 'none')} (sm {dev.get('capability', '-')}), driver "
+        f"{report['host'].get('driver', '-')}, {report['host'].get('nvcc') or 'no nvcc'}; "
+        f"torch {versions.get('torch')} (CUDA {versions.get('torch_cuda')}), triton {versions.get('triton')}, "
+        f"python {versions.get('python')}; dpkernels backends: cpu {versions.get('backends_cpu')}, "
+        f"cuda {versions.get('backends_cuda')}"
+    )
+    if rc != 0:
+        return finish(False, "build")
+    if not versions.get("dpkernels_cuda_kernels"):
+        report["build"]["ok"] = False
+        return finish(False, "build (no CUDA kernels in the extension)")
+    gpu = bool(versions.get("cuda_available"))
+    if not gpu and not args.allow_no_gpu:
+        log.line("no GPU visible to torch (torch.cuda.is_available() is False)")
+        return finish(False, "no GPU")
+    if gpu and "cuda" not in versions.get("backends_cuda", []):
+        return finish(False, "cuda backend unavailable")
 
-        log.section("tests (python -m pytest)")
-        report["tests"] = _run_tests(log, vpy, env, args.pytest_args, tmp, versions)
-        t = report["tests"]
-        log.line(
-            f"tests: {t.get('passed', '?')} passed, {t.get('failed', '?')} failed, {t.get('errors', '?')} errors, "
-            f"{t.get('skipped', '?')} skipped; CUDA cases: {t.get('cuda_cases')}"
-        )
+    log.section("errors raised by the ops (each in a process of its own)")
+    report["raises"] = _probe_raises(log, vpy, env, gpu)
 
-        if args.no_bench:
-            report["bench"] = {"ok": True, "skipped": "--no-bench"}
-        else:
-            log.section("dpkernels bench")
-            report["bench"] = _run_bench(log, Path(args.venv), env, args.bench_args, tmp, gpu)
+    log.section("tests (python -m pytest)")
+    report["tests"] = _run_tests(log, vpy, env, args, out_dir, versions)
+    t = report["tests"]
+    log.line(
+        f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped in {t['elapsed_s']} s"
+        f"{' (stopped at its time limit)' if t['stopped_at_limit'] else ''}; CUDA cases: {t['cuda_cases']}"
+    )
+    for failure in t["failures"][:40]:
+        log.line(f"  FAILED {failure}")
+
+    if args.no_bench:
+        report["bench"] = {"ok": True, "skipped": "--no-bench"}
+    else:
+        log.section("dpkernels bench")
+        report["bench"] = _run_bench(log, Path(args.venv), env, args, out_dir, gpu)
 
     failed = [k for k in ("tests", "bench") if not report[k]["ok"]]
     return finish(not failed, ", ".join(failed) or None)
@@ -469,6 +555,12 @@ def main(argv=None) -> int:
         help=f"dpkernels bench arguments (default $BENCH_ARGS, else {DEFAULT_BENCH_ARGS!r})",
     )
     ap.add_argument("--no-bench", action="store_true", help="skip dpkernels bench")
+    ap.add_argument(
+        "--all-tests", action="store_true", help="the whole suite (default: the CUDA cases, -k 'cuda or gpu')"
+    )
+    ap.add_argument("--all-archs", action="store_true", help="build every CUDA architecture (default: the GPU present)")
+    ap.add_argument("--tests-limit", type=float, default=300, help="seconds for the tests, then stopped (%(default)s)")
+    ap.add_argument("--bench-limit", type=float, default=240, help="seconds for the bench, then stopped (%(default)s)")
     args = ap.parse_args(argv)
     if args.command == "download":
         return args.func(args)
