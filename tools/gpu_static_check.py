@@ -16,6 +16,9 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    128 bits wide (its pipelined tile loads are 16-byte ``cp.async`` copies into shared memory,
    counted as 128-bit loads). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
+   The two streaming kernels' 128-bit loads must take their address from a 64-bit register
+   product (the sample offset ``i·n``) and from no 32-bit product or narrowing
+   (:func:`offset64_problems`): B·D passes 2^31 elements on large models.
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
    build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
    invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any kernel stack
@@ -24,7 +27,8 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    variant a launcher stops instantiating is not silently left unchecked; and so does an
    instantiation matching :data:`REQUIRED_CUDA_WIDE_LOADS` whose SASS (``cuobjdump -sass``, the
    toolkit's or the one Triton ships) has no 128-bit global load. No ``.cu`` files, or no
-   ``nvcc``, is reported as skipped.
+   ``nvcc``, is reported as skipped. Without nvcc too, a ``blockIdx``/``blockDim``/``gridDim``
+   component multiplied in 32 bits anywhere in csrc/cuda fails the check (:func:`grid_index_problems`).
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
 
