@@ -69,3 +69,74 @@ def test_wide_load_requirement_fails_without_128_bit_loads():
     assert len(problems) == 1 and "LinearLayout<float, true>" in problems[0]
     assert tool.wide_load_problems("csrc/cuda/layers.cu", kernels[1:]) != []  # nothing matched
     assert tool.wide_load_problems("csrc/cuda/other.cu", []) == []
+
+
+# The address chain of one row load, x_ptr + i·n + idx with n an i32 argument, as Triton 3.6 writes it
+# for sm_90: i = tl.program_id(0) (the product wraps past 2^31) and i = tl.program_id(0).to(tl.int64).
+_ROW_LOAD_I32 = """
+    ld.param.b64    %rd3, [row_sum_param_0];
+    mov.u32     %r8, %ctaid.x;
+    ld.param.b32    %r9, [row_sum_param_2];
+    mov.u32     %r10, %tid.x;
+    shl.b32     %r11, %r10, 2;
+    and.b32     %r12, %r11, 252;
+    mul.lo.s32  %r13, %r9, %r8;
+    mad.wide.s32    %rd5, %r13, 4, %rd3;
+    mad.wide.u32    %rd1, %r12, 4, %rd5;
+    @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+"""
+_ROW_LOAD_I64 = """
+    ld.param.b64    %rd3, [row_sum_param_0];
+    mov.u32     %r8, %ctaid.x;
+    cvt.u64.u32     %rd5, %r8;
+    ld.param.b32    %r9, [row_sum_param_2];
+    mov.u32     %r10, %tid.x;
+    shl.b32     %r11, %r10, 2;
+    and.b32     %r12, %r11, 252;
+    cvt.s64.s32     %rd6, %r9;
+    mul.lo.s64  %rd7, %rd6, %rd5;
+    shl.b64     %rd8, %rd7, 2;
+    add.s64     %rd9, %rd3, %rd8;
+    mad.wide.u32    %rd1, %r12, 4, %rd9;
+    @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+"""
+
+
+def test_offset64_check_flags_32_bit_sample_offsets():
+    """The PTX check of the B×D kernels (OFFSET64_KERNELS, run on every compiled variant by
+    test_triton_kernels_compile_for_sm80_sm90): a 32-bit i·n fails, a 64-bit one passes, and a
+    kernel whose wide loads have no run-time product at all (no sample offset) fails; no Triton
+    needed."""
+    tool = _tool()
+    assert tool.offset64_problems(_ROW_LOAD_I64) == []
+    [load] = tool.ptx_address_products(_ROW_LOAD_I64)
+    assert load["wide"] and load["products"] == [("mul.lo.s64", 64)]
+    problems = tool.offset64_problems(_ROW_LOAD_I32)
+    assert len(problems) == 2 and "32-bit arithmetic (mul.lo.s32)" in problems[0], problems
+    # A product by an immediate (the element size) is no sample offset.
+    no_product = _ROW_LOAD_I64.replace("mul.lo.s64  %rd7, %rd6, %rd5", "mul.lo.s64  %rd7, %rd6, 4")
+    assert tool.offset64_problems(no_product) == [
+        "no 128-bit load's address comes from a 64-bit product (the sample offset i·n)"
+    ]
+    # A product formed in 32 bits and widened afterwards ((i·n).to(tl.int64)) has already wrapped.
+    widened_late = _ROW_LOAD_I64.replace("mov.u32     %r8, %ctaid.x;", "mul.lo.s32  %r8, %r9, %r10;")
+    assert "32-bit arithmetic (mul.lo.s32)" in tool.offset64_problems(widened_late)[0]
+    # A 64-bit product narrowed to 32 bits ((i·n).to(tl.int32)) wraps as well.
+    narrowed = _ROW_LOAD_I64.replace(
+        "    shl.b64     %rd8, %rd7, 2;\n",
+        "    cvt.u32.u64     %r14, %rd7;\n    cvt.s64.s32     %rd10, %r14;\n    shl.b64     %rd8, %rd10, 2;\n",
+    )
+    assert "32-bit arithmetic (cvt.u32.u64)" in tool.offset64_problems(narrowed)[0]
+
+
+def test_cuda_grid_products_are_64_bit():
+    """Every blockIdx/blockDim/gridDim product in csrc/cuda is widened first (source level, no nvcc);
+    an unwidened one is reported with its line, a widened one or a comment is not."""
+    tool = _tool()
+    sources = [tool.ROOT / s for s in tool.BUILD.sources(cuda=True, root=tool.ROOT) if s.endswith(".cu")]
+    texts = tool._cuda_texts(sources)
+    assert "csrc/cuda/clip_sum.cu" in texts and "csrc/cuda/multi_tensor.cuh" in texts
+    assert tool.grid_index_problems(texts) == []
+    bad = "// blockIdx.x * n\nconst int64_t a = int64_t{blockIdx.x} * n;\nconst int64_t e = blockIdx.x * blockDim.x;\n"
+    problems = tool.grid_index_problems({"k.cu": bad})
+    assert [p.split(" in ")[0] for p in problems] == ["k.cu:3: blockIdx.x", "k.cu:3: blockDim.x"]

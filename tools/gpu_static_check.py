@@ -16,6 +16,9 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    128 bits wide (its pipelined tile loads are 16-byte ``cp.async`` copies into shared memory,
    counted as 128-bit loads). Registers and spills come from
    running Triton's own ``ptxas -v`` on the PTX (``CompiledKernel.n_regs`` needs a driver).
+   The two streaming kernels' 128-bit loads must take their address from a 64-bit register
+   product (the sample offset ``i·n``) and from no 32-bit product or narrowing
+   (:func:`offset64_problems`): B·D passes 2^31 elements on large models.
 2. Every ``csrc/cuda/*.cu`` is compiled with the flags, defines and includes of the extension
    build (``tools/build_config.py``, which ``setup.py`` reads too), all archs in one nvcc
    invocation; ``-Xptxas -v`` gives per-kernel registers and spills. Any spill, any kernel stack
@@ -24,7 +27,8 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    variant a launcher stops instantiating is not silently left unchecked; and so does an
    instantiation matching :data:`REQUIRED_CUDA_WIDE_LOADS` whose SASS (``cuobjdump -sass``, the
    toolkit's or the one Triton ships) has no 128-bit global load. No ``.cu`` files, or no
-   ``nvcc``, is reported as skipped.
+   ``nvcc``, is reported as skipped. Without nvcc too, a ``blockIdx``/``blockDim``/``gridDim``
+   component multiplied in 32 bits anywhere in csrc/cuda fails the check (:func:`grid_index_problems`).
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
    about twice as slow, since the torch headers then go through g++ as well).
 
@@ -128,6 +132,82 @@ def _requirements(kernel: str, consts: dict) -> dict:
         aligned = consts["VEC_OUT" if consts["IS_CONV"] else "VEC_IN"] > 1
         return {"loads_128": aligned, "stores_128": False, "no_local": True}
     return {"loads_128": False, "stores_128": False, "no_local": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# 64-bit offsets in the PTX
+# ---------------------------------------------------------------------------------------------
+
+# Kernels that index the B×D per-sample gradients: a sample offset i·n passes 2^31 elements once
+# B·D does, so it must be formed in 64 bits (an int32 product wraps: issue 17, "Large tensors").
+OFFSET64_KERNELS = STREAMING_KERNELS
+_PTX_INSTR_RE = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+([^;]*);", re.M)
+_PTX_REG_RE = re.compile(r"%\w+")
+# Integer multiplies that keep the low part (mul.lo / mad.lo) or the whole product (mul.wide /
+# mad.wide: 32 x 32 -> 64 bits, exact). mul.hi (Philox's) is not an offset.
+_PTX_MUL_RE = re.compile(r"^(?:mul|mad)\.(lo|wide)\.([su](?:16|32|64))$")
+# An integer narrowed from 64 to 32 (or 16) bits: what (i·n).to(tl.int32) compiles to.
+_PTX_NARROW_RE = re.compile(r"^cvt\.[su](?:16|32)\.[su]64$")
+
+
+def ptx_address_products(ptx: str) -> list[dict]:
+    """Per ``ld.global``: its index among the instructions, whether it is 128 bits wide, and the
+    register × register integer multiplies its address is derived from, as ``(opcode, bits)``
+    (a narrowing ``cvt`` from 64 bits counts as a 32-bit one: it wraps the same way).
+
+    A def-use walk back from the address register through every instruction that writes a
+    register it reads (all writes of a register count, so loop-carried values are covered); loaded
+    values end the walk (a table entry such as a tensor's numel is data, not arithmetic). A product
+    by an immediate (the element size, a Philox constant) is left out: only a product of two run-time
+    values (sample index times row length) can pass 2^31 unnoticed.
+    """
+    defs: dict[str, list[tuple[str, list[str]]]] = {}
+    loads = []
+    for index, m in enumerate(_PTX_INSTR_RE.finditer(ptx)):
+        op, args = m.group(1), m.group(2)
+        if op.startswith("ld.global"):
+            addr = re.search(r"\[\s*(%\w+)", args)
+            if addr:
+                loads.append((index, _is_128(op), addr.group(1)))
+            continue  # a loaded register is a leaf
+        if op.startswith(("st.", "bra", "ret", "bar", "@", "cp.async")):
+            continue
+        regs = _PTX_REG_RE.findall(args)
+        if regs and args.lstrip().startswith(regs[0]):
+            defs.setdefault(regs[0], []).append((op, [a.strip() for a in args.split(",")[1:]]))
+    out = []
+    for index, wide, addr in loads:
+        seen, todo, products = {addr}, [addr], set()
+        while todo:
+            for op, srcs in defs.get(todo.pop(), ()):
+                mul = _PTX_MUL_RE.match(op)
+                if mul and len(srcs) >= 2 and all(_PTX_REG_RE.fullmatch(a) for a in srcs[:2]):
+                    bits = 64 if mul.group(1) == "wide" or mul.group(2).endswith("64") else 32
+                    products.add((op, bits))
+                elif _PTX_NARROW_RE.match(op):
+                    products.add((op, 32))
+                for reg in _PTX_REG_RE.findall(",".join(srcs)):
+                    if reg not in seen:
+                        seen.add(reg)
+                        todo.append(reg)
+        out.append({"instruction": index, "wide": wide, "products": sorted(products)})
+    return out
+
+
+def offset64_problems(ptx: str) -> list[str]:
+    """What is wrong with the address arithmetic of a :data:`OFFSET64_KERNELS` kernel's PTX: a
+    128-bit load whose address comes from a 32-bit register × register product or narrowing, or no
+    128-bit (per-sample gradient) load whose address comes from a 64-bit one (the sample offset i·n)."""
+    loads = ptx_address_products(ptx)
+    problems = []
+    # The 128-bit loads are the B×D streams in the aligned variants this check compiles; narrow ones
+    # include libdevice's table lookups (float64 sin/log), indexed in 32 bits by design.
+    narrow = sorted({op for ld in loads if ld["wide"] for op, bits in ld["products"] if bits == 32})
+    if narrow:
+        problems.append(f"a 128-bit load's address comes from 32-bit arithmetic ({', '.join(narrow)}): wraps past 2^31")
+    if not any(ld["wide"] and any(bits == 64 for _, bits in ld["products"]) for ld in loads):
+        problems.append("no 128-bit load's address comes from a 64-bit product (the sample offset i·n)")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +534,8 @@ def _triton_worker(archs: list[int]) -> list[dict]:
                 if need["no_local"] and rec["local_memory"]:
                     kind = "a streaming kernel" if rec["streaming"] else f"{fn.__name__}"
                     problems.append(f"uses local memory (.local) in {kind}")
+                if fn.__name__ in OFFSET64_KERNELS:
+                    problems += offset64_problems(ptx)
                 if rec.get("spill_stores", 0) or rec.get("spill_loads", 0):
                     problems.append(f"spills {rec['spill_stores']} B stores / {rec['spill_loads']} B loads")
                 rec.update(ok=not problems, problems=problems)
@@ -645,22 +727,53 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
     return rec
 
 
-def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
-    """Compile ``csrc/cuda/*.cu`` for ``archs``; ``{"status", "sources", "elapsed_s"}``.
+# A grid coordinate or size (up to 2^31 - 1 blocks along x) as an operand of a product: in 32 bits
+# unless widened first. Source level, so it runs without nvcc; it sees the product written on the
+# builtin itself (blockIdx.x * n), not one through a 32-bit variable holding it.
+_GRID_BUILTIN_RE = re.compile(r"\b(?:blockIdx|blockDim|gridDim)\.[xyz]\b")
+_WIDENED = ("int64_t{", "static_cast<int64_t>(", "uint64_t{", "static_cast<uint64_t>(", "size_t{")
 
-    ``host``: full ``-c`` compile (host code too) instead of the device-only default.
+
+def grid_index_problems(sources: dict[str, str]) -> list[str]:
+    """``file:line`` of every ``blockIdx``/``blockDim``/``gridDim`` component multiplied without being
+    widened to 64 bits first (``int64_t{blockIdx.x} * n``), in ``{name: CUDA source text}``."""
+    problems = []
+    for name, text in sources.items():
+        code = re.sub(r"//[^\n]*", "", text)  # comments may spell products; line numbers stay
+        for m in _GRID_BUILTIN_RE.finditer(code):
+            before, after = code[: m.start()].rstrip(), code[m.end() :].lstrip()
+            if (after.startswith("*") or before.endswith("*")) and not before.endswith(_WIDENED):
+                line = code.count("\n", 0, m.start()) + 1
+                problems.append(f"{name}:{line}: {m.group()} in a 32-bit product; widen it (int64_t{{{m.group()}}})")
+    return problems
+
+
+def _cuda_texts(sources: list[Path]) -> dict[str, str]:
+    """The .cu sources and every CUDA header beside them (csrc/cuda/*.cuh), by path from ROOT."""
+    files = {*sources, *(h for d in {s.parent for s in sources} for h in d.glob("*.cuh"))}
+    return {str(f.relative_to(ROOT)): f.read_text() for f in sorted(files)}
+
+
+def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
+    """Compile ``csrc/cuda/*.cu`` for ``archs``; ``{"status", "sources", "grid_index", "elapsed_s"}``.
+
+    ``host``: full ``-c`` compile (host code too) instead of the device-only default. ``grid_index``:
+    :func:`grid_index_problems` of the sources and headers, checked with or without nvcc.
     """
     t0 = time.perf_counter()
     sources = [ROOT / src for src in BUILD.sources(cuda=True, root=ROOT) if src.endswith(".cu")]
     if not sources:
         return {"status": "skipped", "reason": "no csrc/cuda/*.cu files", "sources": [], "elapsed_s": 0.0}
+    grid = grid_index_problems(_cuda_texts(sources))
     if shutil.which("nvcc") is None:
-        return {"status": "skipped", "reason": "nvcc is not on PATH", "sources": [], "elapsed_s": 0.0}
+        status = "failed" if grid else "skipped"
+        return {"status": status, "reason": "nvcc is not on PATH", "sources": [], "grid_index": grid, "elapsed_s": 0.0}
     with tempfile.TemporaryDirectory(prefix="dpk_nvcc_") as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         recs = list(pool.map(lambda s: _compile_cu(s, archs, Path(tmp), host), sources))
-    status = "ok" if all(r["ok"] for r in recs) else "failed"
+    status = "ok" if all(r["ok"] for r in recs) and not grid else "failed"
     mode = "nvcc -c" if host else "nvcc -fatbin, device code only"
-    return {"status": status, "mode": mode, "sources": recs, "elapsed_s": round(time.perf_counter() - t0, 1)}
+    elapsed = round(time.perf_counter() - t0, 1)
+    return {"status": status, "mode": mode, "sources": recs, "grid_index": grid, "elapsed_s": elapsed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,6 +829,8 @@ def format_report(res: dict) -> str:
     parts.append(f"== CUDA C++ ({mode}; ptxas -v) [{cu['status']}, {cu.get('elapsed_s', 0)} s]")
     if cu.get("reason"):
         parts.append(f"   {cu['reason']}")
+    for p in cu.get("grid_index", []):
+        parts.append(f"   FAIL: {p}")
     for src in cu.get("sources", []):
         parts.append(f"-- {src['source']} ({src['compile_s']} s): {'OK' if src['ok'] else 'FAIL'}")
         rows = []
