@@ -260,10 +260,17 @@ def runs(tmp_path_factory):
     return full, torch.load(d / "out.pt")
 
 
+def _resumed(resumed, key) -> dict:
+    """The worker's result of one job; its traceback if it raised."""
+    got = resumed[key]
+    assert isinstance(got, dict), f"resuming {key} raised in the worker:\n{got}"
+    return got
+
+
 @pytest.mark.parametrize("case,src,dst", CASES, ids=["-".join(c) for c in CASES])
 def test_resumed_trajectory_matches(runs, case, src, dst):
     full, resumed = runs
-    got, want = resumed[case, src, dst], full[case, dst]
+    got, want = _resumed(resumed, (case, src, dst)), full[case, dst]
     assert got["optim"]["dp"]["step"] == END and got["optim"]["dp"]["seed"] == want["optim"]["dp"]["seed"]
     _assert_match(got["params"], want["params"], src == dst, "params")
     _assert_match(got["optim"], want["optim"], src == dst, "optim")
@@ -273,18 +280,18 @@ def test_resumed_trajectory_matches(runs, case, src, dst):
 def test_noise_not_reused_after_resume(runs, backend, rng):
     full, resumed = runs
     before, after = full["noise", backend, rng]["noise"][:SAVE], full["noise", backend, rng]["noise"][SAVE:]
-    got = resumed["noise", backend, rng]["noise"]
+    got = _resumed(resumed, ("noise", backend, rng))["noise"]
     assert len(got) == len(after) == END - SAVE
     for t, (nu, want) in enumerate(zip(got, after, strict=True), start=SAVE + 1):
-        assert torch.equal(nu, want), f"step {t}: not the uninterrupted run's noise"
         for s, old in enumerate(before, start=1):
             # a reused draw differs by the read-off's rounding (~1e-6); fresh N(0, σ²) noise by ~σ
             assert (nu - old).abs().max() > 0.1 * SIGMA, f"step {t} after the resume reused the noise of step {s}"
+        assert torch.equal(nu, want), f"step {t}: not the uninterrupted run's noise"
 
 
 def test_make_private_resume_keeps_epsilon(runs):
     full, resumed = runs
-    want, got = full["private"], resumed["private"]
+    want, got = full["private"], _resumed(resumed, "private")
     assert got["history"] == want["history"] == [(SIGMA, 1 / 4, END)]
     assert got["epsilon"] == want["epsilon"] > want["at_save"]
     _assert_match(got["params"], want["params"], True, "params")
