@@ -41,6 +41,12 @@ those accountants do not apply; dp-accounting 0.6.0 (the installed version) has 
 matrix-factorisation accountant for Poisson-sampled participation, so the engine installs
 :class:`CorrelatedNoiseAccountant`, which records the steps and refuses to report ε.
 
+**Checkpoints.** Opacus's ``privacy_engine.save_checkpoint(path=, module=, optimizer=)`` saves the
+module, the engine's ``state_dict`` (through ``DPOptimizer.state_dict``: noise counter, seed, keys,
+state) and the accountant's history; in a new process, ``make_private`` as before (any seed), then
+``privacy_engine.load_checkpoint(...)``: the run continues the noise stream, and ``get_epsilon``
+counts the steps before the checkpoint (tests/test_resume.py).
+
 **Book-keeping** (``grad_sample_mode="bk"``): the returned module is a :class:`dpkernels.bk.BKModule`
 (one backward pass keeps each layer's input and output gradient; no per-sample gradient is built)
 and the engine's step clips from it (``step(per_sample=...)``); Opacus still validates the module
