@@ -482,12 +482,36 @@ class DPOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict`, saved on any backend. Everything is checked first (class,
-        state layout, step, seed, rng, global fields, the correlated-noise mechanism, param group
-        sizes, every parameter's state keys, shapes and dtypes); a state_dict that fails a check
-        raises ``ValueError`` naming the field and leaves the optimizer unchanged. The noise
-        counter (``steps_taken``) and the keys (``seed``, ``secure_key``) come from the state_dict,
-        so the resumed run draws the noise of step ``steps_taken + 1`` next, never an earlier one."""
+        """Restore a :meth:`state_dict`, saved on any backend. Everything is checked first
+        (:meth:`check_state_dict`); a state_dict that fails a check raises ``ValueError`` naming the
+        field and leaves the optimizer unchanged. The noise counter (``steps_taken``) and the keys
+        (``seed``, ``secure_key``) come from the state_dict, so the resumed run draws the noise of
+        step ``steps_taken + 1`` next, never an earlier one."""
+        step, seed, ids, saved = self._checked(state_dict)
+        params = self._params()
+        dp = state_dict["dp"]
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "dp"})
+        # torch casts floating state to the parameter dtype on load (lossy for bf16 parameters);
+        # put back the saved tensors in their own dtype, on the parameter's device.
+        for i, p in zip(ids, params, strict=True):
+            if i in saved:
+                self.state[p] = {
+                    key: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v for key, v in saved[i].items()
+                }
+        self._step, self.seed = step, seed
+        self._load_global_state(dp)
+        if self.correlated_noise is not None:
+            self.correlated_noise.load_state_dict(dp["correlated_noise"])
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise the ``ValueError`` that :meth:`load_state_dict` would raise for ``state_dict``, and
+        change nothing: the class, state layout, step, seed, rng, global fields, the correlated-noise
+        mechanism, param group sizes, every parameter's state keys, shapes and dtypes. For callers
+        that load other objects with it (``PrivacyEngine.load_checkpoint``) and must check first."""
+        self._checked(state_dict)
+
+    def _checked(self, state_dict: dict) -> tuple[int, int, list, dict]:
+        """:meth:`check_state_dict`; returns ``(step, seed, saved ids in parameter order, saved state)``."""
         name = type(self).__name__
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("dp"), dict):
             raise ValueError(f"state_dict has no 'dp' entry; it was not saved by a {name}")
@@ -530,28 +554,18 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in self.param_groups]}"
             )
         ids = [i for g in groups for i in g["params"]]
-        params = self._params()
-        for idx, (i, p) in enumerate(zip(ids, params, strict=True)):
+        for idx, (i, p) in enumerate(zip(ids, self._params(), strict=True)):
             if i in saved:
                 self._check_saved_state(idx, p, saved[i])
+        # The subclasses parse their global fields only while loading them: load, then put back.
         before = self._global_state()
         try:
             self._load_global_state(dp)
         except (TypeError, ValueError) as e:
-            self._load_global_state(before)
             raise ValueError(f"state_dict['dp'] has an invalid global field: {e}") from e
-        state_dict = {k: v for k, v in state_dict.items() if k != "dp"}
-        super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter dtype on load (lossy for bf16 parameters);
-        # put back the saved tensors in their own dtype, on the parameter's device.
-        for i, p in zip(ids, params, strict=True):
-            if i in saved:
-                self.state[p] = {
-                    key: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v for key, v in saved[i].items()
-                }
-        self._step, self.seed = step, seed
-        if self.correlated_noise is not None:
-            self.correlated_noise.load_state_dict(dp["correlated_noise"])
+        finally:
+            self._load_global_state(before)
+        return step, seed, ids, saved
 
     def _check_saved_state(self, idx: int, p: Tensor, saved: dict) -> None:
         """The saved state of parameter ``idx`` has this optimizer's keys, shapes and dtypes."""
