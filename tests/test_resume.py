@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import test_optim_checkpoint as ck
 import torch
+from filelock import FileLock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -231,7 +232,19 @@ def resume_private(job) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(uninterrupted, resumed)``: this process's runs and the worker's results, by case."""
-    d = tmp_path_factory.mktemp("resume")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_all(tmp_path_factory.mktemp("resume"))
+    # pytest-xdist spreads this module's tests over its workers: the first one here runs every case
+    # (pytest-xdist's recipe for a fixture run once), the others read its results.
+    shared = tmp_path_factory.getbasetemp().parent / "resume"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "runs.pt").is_file():
+            shared.mkdir()
+            torch.save(_run_all(shared), shared / "runs.pt")
+    return torch.load(shared / "runs.pt")
+
+
+def _run_all(d: Path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker: the same reductions, the same rounding
     try:
