@@ -229,37 +229,54 @@ def resume_private(job) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def _selected(session) -> set:
+    """The cases of this module's collected tests (``-k``, ``--cpu-kernels-only``): only those run."""
+    keys = set()
+    for item in session.items:
+        params = item.callspec.params if item.module.__name__ == __name__ and hasattr(item, "callspec") else {}
+        if "case" in params:
+            keys.add((params["case"], params["src"], params["dst"]))
+        elif "rng" in params:
+            keys.add(("noise", params["backend"], params["rng"]))
+        elif item.module.__name__ == __name__:
+            keys.add("private")
+    return keys
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """``(uninterrupted, resumed)``: this process's runs and the worker's results, by case."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        return _run_all(tmp_path_factory.mktemp("resume"))
+        return _run_all(tmp_path_factory.mktemp("resume"), _selected(request.session))
     # pytest-xdist spreads this module's tests over its workers: the first one here runs every case
     # (pytest-xdist's recipe for a fixture run once), the others read its results.
     shared = tmp_path_factory.getbasetemp().parent / "resume"
     with FileLock(f"{shared}.lock"):
         if not (shared / "runs.pt").is_file():
             shared.mkdir()
-            torch.save(_run_all(shared), shared / "runs.pt")
+            torch.save(_run_all(shared, _selected(request.session)), shared / "runs.pt")
     return torch.load(shared / "runs.pt")
 
 
-def _run_all(d: Path):
+def _run_all(d: Path, selected: set):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker: the same reductions, the same rounding
     try:
         full, jobs = {}, []
-        for case, b in sorted({(case, b) for case, *pair in CASES for b in pair}):
+        cases = [c for c in CASES if c in selected]
+        for case, b in sorted({(case, b) for case, *pair in cases for b in pair}):
             full[case, b] = _train_trajectory(case, b, d / f"{case}-{b}.pt")
-        for case, src, dst in CASES:
+        for case, src, dst in cases:
             path = str(d / f"{case}-{src}.pt")
             jobs.append(dict(kind="trajectory", id=(case, src, dst), case=case, dst=dst, ckpt=path))
         for backend, rng in NOISE_CASES:
-            path = d / f"noise-{backend}-{rng}.pt"
-            full["noise", backend, rng] = _train_noise(backend, rng, path)
-            jobs.append(dict(kind="noise", id=("noise", backend, rng), backend=backend, rng=rng, ckpt=str(path)))
-        full["private"] = _train_private(d / "private.pt")
-        jobs.append(dict(kind="private", id="private", ckpt=str(d / "private.pt")))
+            if ("noise", backend, rng) in selected:
+                path = d / f"noise-{backend}-{rng}.pt"
+                full["noise", backend, rng] = _train_noise(backend, rng, path)
+                jobs.append(dict(kind="noise", id=("noise", backend, rng), backend=backend, rng=rng, ckpt=str(path)))
+        if "private" in selected:
+            full["private"] = _train_private(d / "private.pt")
+            jobs.append(dict(kind="private", id="private", ckpt=str(d / "private.pt")))
     finally:
         torch.set_num_threads(threads)
     torch.save(jobs, d / "jobs.pt")
@@ -280,7 +297,10 @@ def _resumed(resumed, key) -> dict:
     return got
 
 
-@pytest.mark.parametrize("case,src,dst", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize(
+    "case,src,dst",
+    [pytest.param(*c, id="-".join(c), marks=[] if "cpu" in c else [pytest.mark.no_cpu_kernels]) for c in CASES],
+)
 def test_resumed_trajectory_matches(runs, case, src, dst):
     full, resumed = runs
     got, want = _resumed(resumed, (case, src, dst)), full[case, dst]
