@@ -573,7 +573,8 @@ class PrivacyEngine(_OpacusPrivacyEngine):
         (``check_state_dict``: class, layout, rng, ...): without it the noise counter would restart
         at 1 under the constructor's seed, the saved run's if that was given, and add the noise of
         its first steps again. The accountant's mechanism must match. A refused checkpoint raises
-        ``ValueError`` with module, accountant and optimizer unchanged."""
+        ``ValueError`` with module, accountant and optimizer unchanged. The file is read once and
+        deserialised twice (for the checks, then by Opacus)."""
         data = path.read() if hasattr(path, "read") else Path(path).read_bytes()
         if isinstance(optimizer, DPKernelsOptimizer):
             ckpt = torch.load(io.BytesIO(data), **(torch_load_kwargs or {}), weights_only=False)
