@@ -12,6 +12,7 @@ import pytest
 import torch
 from opacus import PrivacyEngine as OpacusPrivacyEngine
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpkernels import BandedNoise
@@ -488,3 +489,36 @@ def test_empty_param_group_passes_through(backend):
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
     assert opt.engine.steps_taken == 1 and pe.accountant.history == [(1.0, 1 / 8, 1)]
+
+
+def _same_tree(a, b) -> bool:
+    (la, sa), (lb, sb) = tree_flatten(a), tree_flatten(b)
+    same = (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb, strict=True))
+    return sa == sb and all(same)
+
+
+@pytest.mark.parametrize(
+    "algorithm, accountant, save_optimizer, match",
+    [
+        ("macadam", "rdp", True, "saved by another optimizer, not a DPMacAdam"),
+        # Opacus only warns: the engine would restart its noise counter under the saved run's seed.
+        ("dpadam", "rdp", False, "holds no optimizer state"),
+        ("dpadam", "gdp", True, "accountant is 'rdp', this engine's 'gdp'"),
+    ],
+)
+def test_load_checkpoint_refused_before_anything_loads(tmp_path, algorithm, accountant, save_optimizer, match):
+    """PrivacyEngine.load_checkpoint checks the engine's and the accountant's states first: a refused
+    checkpoint leaves module, optimizer and accountant as they were (Opacus's loads the module and the
+    accountant before the optimizer refuses)."""
+    module, opt, engine, _ = _private("dpadam", steps=2, backend="reference")
+    path = tmp_path / "ckpt.pt"
+    engine.save_checkpoint(path=path, module=module, optimizer=opt if save_optimizer else None)
+    dst_module, dst_opt, dst, _ = _private(
+        algorithm, steps=1, engine=PrivacyEngine(accountant=accountant), backend="reference", seed=3
+    )
+    state = lambda: (dst_module.state_dict(), dst_opt.state_dict(), dst.accountant.state_dict())  # noqa: E731
+    before = copy.deepcopy(state())
+    with pytest.raises(ValueError, match=match):
+        dst.load_checkpoint(path=path, module=dst_module, optimizer=dst_opt)
+    assert _same_tree(state(), before)
+    assert not _same_tree(module.state_dict(), dst_module.state_dict())  # a load would have changed it

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dpkernels.optim as fused
+from dpkernels import BLTNoise
 
 SHAPES = [(3, 5), (7,), (4, 2)]
 B = 3
@@ -226,6 +227,13 @@ def _trained(name, backend, device, steps=2):
         (lambda sd: sd["dp"].update({"class": "DPAdam"}), "saved by another optimizer, not a DPSGD"),
         (lambda sd: sd["dp"].pop("class"), "saved by another optimizer"),
         (lambda sd: sd["dp"].update(layout="elsewhere"), "layout"),
+        (lambda sd: sd["dp"].update(layout="dpkernels-2"), r"\['layout'\] is 'dpkernels-2'"),  # a newer format
+        (lambda sd: sd["dp"].pop("layout"), r"\['layout'\] is None"),
+        (
+            lambda sd: sd["dp"].update(secure_key=12345),
+            "saved with rng='chacha20' but this optimizer draws rng='philox'",
+        ),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), r"param groups hold \[1, 0, 1\] parameters"),
         (lambda sd: sd["state"][0].pop("momentum_buffer"), r"parameter 0 has keys \[\]"),
         (lambda sd: sd["state"][1].update(momentum_buffer=torch.zeros(3)), r"'momentum_buffer' is \(3,\)"),
         (lambda sd: sd["state"][2].update(momentum_buffer=torch.zeros(4, 2, dtype=torch.float64)), "float64"),
@@ -266,6 +274,75 @@ def test_load_state_dict_refuses_other_class_and_layout(backend_device):
     fresh, _ = _trained("DPMacAdam", backend, device, steps=1)
     with pytest.raises(ValueError, match="layout"):
         fresh.load_state_dict(old)
+
+
+def _mechanism(theta=0.9):
+    return BLTNoise([theta, 0.5], [0.3, 0.1], std=1.0, seed=SEED, start_step=1, backend="reference")
+
+
+def _full_snapshot(opt, params):
+    """Everything a load could change, tensors cloned (``_snapshot``'s ``dp`` compare needs no tensors)."""
+    return copy.deepcopy(([p.detach() for p in params], opt.state_dict()))
+
+
+def _assert_all_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, (dict, list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a.values(), b.values(), strict=True) if isinstance(a, dict) else zip(a, b, strict=True):
+            _assert_all_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize(
+    "saved,target,match",
+    [
+        # Secure mode (rng="chacha20") must not continue on Philox, nor a Philox run on a fresh key.
+        (dict(rng="chacha20"), dict(), "saved with rng='chacha20' but this optimizer draws rng='philox'"),
+        (dict(), dict(rng="chacha20"), "saved with rng='philox' but this optimizer draws rng='chacha20'"),
+        # The mechanism refused its state only after the optimizer's had been loaded.
+        (dict(correlated_noise=0.9), dict(correlated_noise=0.8), "different mechanism parameters"),
+        (dict(correlated_noise=0.9), dict(), "disagree on whether correlated_noise is used"),
+    ],
+    ids=["chacha20-to-philox", "philox-to-chacha20", "other-mechanism", "mechanism-to-none"],
+)
+def test_load_state_dict_refuses_other_noise_unchanged(saved, target, match):
+    """A checkpoint of another noise generator is refused and leaves the optimizer as it was."""
+
+    def make(kw, steps):
+        kw = dict(kw)
+        if "correlated_noise" in kw:
+            kw["correlated_noise"] = _mechanism(kw["correlated_noise"])
+        params = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in SHAPES]
+        opt = fused.DPAdam(params, lr=1e-2, noise_multiplier=0.8, max_grad_norm=1.0, expected_batch_size=B,
+                           seed=None if "correlated_noise" in kw else SEED, backend="reference", **kw)  # fmt: skip
+        for t in range(1, steps + 1):
+            _attach(opt, params, t, "cpu")
+            opt.step()
+        return opt, params
+
+    src, _ = make(saved, 3)
+    dst, dst_params = make(target, 1)
+    before = _full_snapshot(dst, dst_params)
+    with pytest.raises(ValueError, match=match):
+        dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    _assert_all_same(_full_snapshot(dst, dst_params), before)
+    assert dst.steps_taken == 1
+
+
+@pytest.mark.parametrize("name,edit", [("DPMacAdam", dict(bscale="x")), ("DPPMLF", dict(ring=None))])
+def test_load_state_dict_bad_global_field_unchanged(name, edit):
+    """A global field that fails to load is reported as such, and the optimizer's own is restored."""
+    opt, params = _trained(name, "reference", "cpu")
+    sd = copy.deepcopy(opt.state_dict())
+    sd["dp"].update(edit)
+    target, target_params = _trained(name, "reference", "cpu", steps=1)
+    before = _snapshot(target, target_params)
+    with pytest.raises(ValueError, match="invalid global field"):
+        target.load_state_dict(sd)
+    _assert_same(_snapshot(target, target_params), before)
 
 
 def test_resumed_counter_continues(backend_device):

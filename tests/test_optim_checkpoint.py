@@ -38,14 +38,15 @@ CONFIGS = {
 }
 
 
-def _make(config, backend, params):
+def _make(config, backend, params, seed=SEED, **extra):
+    """``config``'s optimizer on ``backend``; ``extra``: more constructor arguments (``rng=``)."""
     name, kw = CONFIGS[config]
-    kw = dict(kw, noise_multiplier=0.7, max_grad_norm=1.0, expected_batch_size=B, backend=backend)
+    kw = dict(kw, noise_multiplier=0.7, max_grad_norm=1.0, expected_batch_size=B, backend=backend, **extra)
     if config.endswith("-blt"):
-        kw["correlated_noise"] = BLTNoise([0.9, 0.5], [0.3, 0.1], std=1.0, seed=SEED, start_step=1,
+        kw["correlated_noise"] = BLTNoise([0.9, 0.5], [0.3, 0.1], std=1.0, seed=seed, start_step=1,
                                           backend="reference")  # fmt: skip
     else:
-        kw["seed"] = SEED
+        kw["seed"] = seed
     return getattr(optim, name)(params, **kw)
 
 
@@ -54,13 +55,17 @@ def _params():
     return [torch.randn(s, generator=gen) for s in SHAPES]
 
 
+def _grad_sets(params, t, k=1):
+    """Step ``t``'s ``k`` per-sample gradient sets: norms from 0.3 to 3 (some clipped at C = 1)."""
+    gen = torch.Generator().manual_seed(50 + t)
+    scale = torch.linspace(0.3, 3.0, B) / math.sqrt(sum(p.numel() for p in params))
+    return [[torch.randn((B, *p.shape), generator=gen) * scale.view(B, *[1] * p.dim()) for p in params]
+            for _ in range(k)]  # fmt: skip
+
+
 def _steps(opt, params, t0, t1):
-    k = getattr(opt, "k", 1)
     for t in range(t0, t1 + 1):
-        gen = torch.Generator().manual_seed(50 + t)
-        scale = torch.linspace(0.3, 3.0, B) / math.sqrt(sum(p.numel() for p in params))
-        sets = [[torch.randn((B, *p.shape), generator=gen) * scale.view(B, *[1] * p.dim()) for p in params]
-                for _ in range(k)]  # fmt: skip
+        sets = _grad_sets(params, t, getattr(opt, "k", 1))
         for idx, p in enumerate(params):
             p.grad_sample = [s[idx] for s in sets] if isinstance(opt, optim.DPPMLF) else sets[0][idx]
         opt.step()

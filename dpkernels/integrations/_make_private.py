@@ -41,6 +41,13 @@ those accountants do not apply; dp-accounting 0.6.0 (the installed version) has 
 matrix-factorisation accountant for Poisson-sampled participation, so the engine installs
 :class:`CorrelatedNoiseAccountant`, which records the steps and refuses to report ε.
 
+**Checkpoints.** Opacus's ``privacy_engine.save_checkpoint(path=, module=, optimizer=)`` saves the
+module, the engine's ``state_dict`` (through ``DPOptimizer.state_dict``: noise counter, seed, keys,
+state) and the accountant's history; in a new process, ``make_private`` as before (any seed), then
+``privacy_engine.load_checkpoint(...)``: the run continues the noise stream, and ``get_epsilon``
+counts the steps before the checkpoint (tests/test_resume.py). :class:`PrivacyEngine`'s
+``load_checkpoint`` checks the engine's and the accountant's states before it loads anything.
+
 **Book-keeping** (``grad_sample_mode="bk"``): the returned module is a :class:`dpkernels.bk.BKModule`
 (one backward pass keeps each layer's input and output gradient; no per-sample gradient is built)
 and the engine's step clips from it (``step(per_sample=...)``); Opacus still validates the module
@@ -61,8 +68,10 @@ clipping, ``grad_sample_mode`` in ``hooks``/``functorch``/``bk``, ``loss_reducti
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -556,6 +565,35 @@ class PrivacyEngine(_OpacusPrivacyEngine):
 
     def make_private(self, **kwargs):
         return make_private(self, **kwargs)
+
+    def load_checkpoint(self, *, path, module, optimizer=None, torch_load_kwargs=None, **kwargs):
+        """Opacus's ``load_checkpoint``, checked before it loads anything (Opacus loads the module and
+        the accountant before the optimizer refuses a state). For a :class:`DPKernelsOptimizer` the
+        checkpoint must hold the engine's state and the engine must accept it
+        (``check_state_dict``: class, layout, rng, ...): without it the noise counter would restart
+        at 1 under the constructor's seed, the saved run's if that was given, and add the noise of
+        its first steps again. The accountant's mechanism must match. A refused checkpoint raises
+        ``ValueError`` with module, accountant and optimizer unchanged. The file is read once and
+        deserialised twice (for the checks, then by Opacus)."""
+        data = path.read() if hasattr(path, "read") else Path(path).read_bytes()
+        if isinstance(optimizer, DPKernelsOptimizer):
+            ckpt = torch.load(io.BytesIO(data), **(torch_load_kwargs or {}), weights_only=False)
+            saved = ckpt.get("optimizer_state_dict")
+            if not saved:
+                raise ValueError(
+                    "the checkpoint holds no optimizer state: the engine would restart its noise counter (pass "
+                    "optimizer= to save_checkpoint)"
+                )
+            optimizer.engine.check_state_dict(saved)
+            mechanism = ckpt.get("privacy_accountant_state_dict", {}).get("mechanism")
+            if mechanism != self.accountant.mechanism():
+                raise ValueError(
+                    f"the checkpoint's accountant is {mechanism!r}, this engine's {self.accountant.mechanism()!r}"
+                )
+            del ckpt
+        return super().load_checkpoint(
+            path=io.BytesIO(data), module=module, optimizer=optimizer, torch_load_kwargs=torch_load_kwargs, **kwargs
+        )
 
     def make_private_with_epsilon(
         self, *, data_loader, target_epsilon: float, target_delta: float, epochs: int, correlated_noise=None, **kwargs

@@ -18,6 +18,7 @@ so a checkpoint saved on one backend loads on every other.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Sequence
@@ -481,10 +482,36 @@ class DPOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict`, saved on any backend. Everything is checked first (class,
-        state layout, step, seed, global fields, every parameter's state keys, shapes and dtypes); a
-        state_dict that fails a check raises ``ValueError`` naming the field and leaves the
-        optimizer unchanged."""
+        """Restore a :meth:`state_dict`, saved on any backend. Everything is checked first
+        (:meth:`check_state_dict`); a state_dict that fails a check raises ``ValueError`` naming the
+        field and leaves the optimizer unchanged. The noise counter (``steps_taken``) and the keys
+        (``seed``, ``secure_key``) come from the state_dict, so the resumed run draws the noise of
+        step ``steps_taken + 1`` next, never an earlier one."""
+        step, seed, ids, saved = self._checked(state_dict)
+        params = self._params()
+        dp = state_dict["dp"]
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "dp"})
+        # torch casts floating state to the parameter dtype on load (lossy for bf16 parameters);
+        # put back the saved tensors in their own dtype, on the parameter's device.
+        for i, p in zip(ids, params, strict=True):
+            if i in saved:
+                self.state[p] = {
+                    key: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v for key, v in saved[i].items()
+                }
+        self._step, self.seed = step, seed
+        self._load_global_state(dp)
+        if self.correlated_noise is not None:
+            self.correlated_noise.load_state_dict(dp["correlated_noise"])
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise the ``ValueError`` that :meth:`load_state_dict` would raise for ``state_dict``, and
+        change nothing: the class, state layout, step, seed, rng, global fields, the correlated-noise
+        mechanism, param group sizes, every parameter's state keys, shapes and dtypes. For callers
+        that load other objects with it (``PrivacyEngine.load_checkpoint``) and must check first."""
+        self._checked(state_dict)
+
+    def _checked(self, state_dict: dict) -> tuple[int, int, list, dict]:
+        """:meth:`check_state_dict`; returns ``(step, seed, saved ids in parameter order, saved state)``."""
         name = type(self).__name__
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("dp"), dict):
             raise ValueError(f"state_dict has no 'dp' entry; it was not saved by a {name}")
@@ -504,32 +531,41 @@ class DPOptimizer(torch.optim.Optimizer):
         missing = sorted(self._global_state().keys() - dp.keys())
         if missing:
             raise ValueError(f"state_dict['dp'] lacks the field(s) {missing} of a {name}")
+        saved_rng = "philox" if dp["secure_key"] is None else "chacha20"
+        if saved_rng != self.rng:
+            # A secure-mode run must not continue on Philox, nor a Philox run on a key it never had.
+            raise ValueError(f"state_dict was saved with rng={saved_rng!r} but this optimizer draws rng={self.rng!r}")
+        if saved_rng == "chacha20":
+            _validate.integer("state_dict['dp']['secure_key']", dp["secure_key"], low=0, high=2**256)
         if (self.correlated_noise is None) != ("correlated_noise" not in dp):
             raise ValueError("state_dict and optimizer disagree on whether correlated_noise is used")
+        if self.correlated_noise is not None:
+            # The mechanism checks its state only while loading it: try a copy, so a mismatch raises
+            # before anything of this optimizer changes.
+            copy.deepcopy(self.correlated_noise).load_state_dict(dp["correlated_noise"])
         saved = state_dict.get("state")
         groups = state_dict.get("param_groups")
         if not isinstance(saved, dict) or not isinstance(groups, list):
             raise ValueError("state_dict lacks 'state' or 'param_groups'")
+        sizes = [len(g["params"]) for g in groups]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"state_dict's param groups hold {sizes} parameters, the optimizer's "
+                f"{[len(g['params']) for g in self.param_groups]}"
+            )
         ids = [i for g in groups for i in g["params"]]
-        params = self._params()
-        if len(ids) != len(params):
-            raise ValueError(f"state_dict holds {len(ids)} parameters, the optimizer {len(params)}")
-        for idx, (i, p) in enumerate(zip(ids, params, strict=True)):
+        for idx, (i, p) in enumerate(zip(ids, self._params(), strict=True)):
             if i in saved:
                 self._check_saved_state(idx, p, saved[i])
-        state_dict = {k: v for k, v in state_dict.items() if k != "dp"}
-        super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter dtype on load (lossy for bf16 parameters);
-        # put back the saved tensors in their own dtype, on the parameter's device.
-        for i, p in zip(ids, params, strict=True):
-            if i in saved:
-                self.state[p] = {
-                    key: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v for key, v in saved[i].items()
-                }
-        self._step, self.seed = step, seed
-        if self.correlated_noise is not None:
-            self.correlated_noise.load_state_dict(dp["correlated_noise"])
-        self._load_global_state(dp)
+        # The subclasses parse their global fields only while loading them: load, then put back.
+        before = self._global_state()
+        try:
+            self._load_global_state(dp)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"state_dict['dp'] has an invalid global field: {e}") from e
+        finally:
+            self._load_global_state(before)
+        return step, seed, ids, saved
 
     def _check_saved_state(self, idx: int, p: Tensor, saved: dict) -> None:
         """The saved state of parameter ``idx`` has this optimizer's keys, shapes and dtypes."""
