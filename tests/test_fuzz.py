@@ -389,19 +389,21 @@ def _sensitivity(C, per_layer, L):
 
 
 @given(data=st.data())
-@examples(20)
+@examples(30)
 def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
     """``privatize`` = ``(S + σΔz)·(1/B)`` bit for bit, ``S`` from ``clip_and_accumulate`` and ``σΔz``
-    from ``gaussian_noise`` (same key): with scale, ``(S + σΔz/scale)·(1/B)`` in float64, rounded
-    once. Whatever the samples (dropped, zero, huge), the noise is that stream."""
+    from ``gaussian_noise`` (Philox, same key) or the float64 ChaCha20 stream (secure mode: ``S + σΔz``
+    rounded once); with scale, ``(S + σΔz/scale)·(1/B)`` in float64, rounded once. Whatever the
+    samples (dropped, zero, huge), the noise is that stream."""
     backend, device = backend_device
     grads, bad = data.draw(gradients(backend))
     C, mode, r, per_layer, shift_scale = data.draw(clip_args(len(grads)))
     _, scale = shift_scale([g.shape[1:] for g in grads], device)  # (a shift needs Σ c_i, not returned)
     sigma = data.draw(st.sampled_from([0.0, 1e-3, 0.7, 5.0, 1e36]))
     ebs = data.draw(st.sampled_from([None, 1, 3, 1000]))
-    seed, step = data.draw(st.integers(0, 2**64 - 1)), data.draw(st.integers(0, 2**32 - 1))
-    stream = data.draw(st.integers(0, 3))
+    rng = data.draw(st.sampled_from(dpkernels.RNGS))
+    seed = data.draw(st.integers(0, 2 ** (256 if rng == "chacha20" else 64) - 1))
+    step, stream = data.draw(st.integers(0, 2**32 - 1)), data.draw(st.integers(0, 3))
     policy = data.draw(st.sampled_from(["raise", "drop"]))
     grads = [g.to(device) for g in grads]
     before = snapshot(grads)
@@ -409,7 +411,7 @@ def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
     bad = sorted(set(bad) | set(nonfinite_samples(combined(grads, None, scale))))
     std = sigma * _sensitivity(C, per_layer, L)
     kw = dict(mode=mode, r=r, per_layer=per_layer, scale=scale, backend=backend)
-    call = lambda: dpkernels.privatize(grads, C, sigma, seed=seed, step=step, stream=stream,  # noqa: E731
+    call = lambda: dpkernels.privatize(grads, C, sigma, seed=seed, step=step, stream=stream, rng=rng,  # noqa: E731
                                        expected_batch_size=ebs, nonfinite=policy, **kw)  # fmt: skip
     smallest_scale = min(float(s.min()) for s in scale) if scale else 1.0
     if B == 0 and ebs is None:
@@ -422,7 +424,7 @@ def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
         error = nonfinite_message("per-sample gradient", bad)
     else:
         error = None
-    event(f"B={B}, rejected: {error is not None}")
+    event(f"B={B}, {rng}, rejected: {error is not None}")
     if error is not None:
         with pytest.raises(ValueError, match=error):
             call()
@@ -432,14 +434,20 @@ def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
     assert_unchanged(before, grads)
     sums, _ = dpkernels.clip_and_accumulate(grads, C, nonfinite=policy, **kw)
     sizes = [s.numel() for s in sums]
-    nu = dpkernels.gaussian_noise(sum(sizes), std=std, seed=seed, step=step, stream=stream, backend=backend,
-                                  device=device).split(sizes)  # fmt: skip
     out_scale = 1.0 / (B if ebs is None else ebs)
-    if scale:
-        want = [round_once((s.double() + n.double().view_as(s) / c.double()) * out_scale, s.dtype)
+    if rng == "philox":  # σΔz in fp32, as gaussian_noise draws it
+        nu = dpkernels.gaussian_noise(sum(sizes), std=std, seed=seed, step=step, stream=stream, backend=backend,
+                                      device=device)  # fmt: skip
+    else:  # secure mode: σΔz in float64
+        nu = std * chacha20_standard_normal(sum(sizes), key=seed, step=step, stream=stream, device=device)
+    nu = [n.view_as(s) for n, s in zip(nu.split(sizes), sums, strict=True)]
+    if scale:  # the map-back, in float64 and rounded once
+        want = [round_once((s.double() + n.double() / c.double()) * out_scale, s.dtype)
                 for s, n, c in zip(sums, nu, scale, strict=True)]  # fmt: skip
-    else:
-        want = [(s + n.view_as(s).to(s.dtype)) * out_scale for s, n in zip(sums, nu, strict=True)]
+    elif rng == "philox":
+        want = [(s + n.to(s.dtype)) * out_scale for s, n in zip(sums, nu, strict=True)]
+    else:  # S + σΔz in float64, rounded once, then scaled
+        want = [round_once(s.double() + n, s.dtype) * out_scale for s, n in zip(sums, nu, strict=True)]
     assert_same_values(out, want)
 
 
