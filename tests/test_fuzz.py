@@ -389,7 +389,7 @@ def _sensitivity(C, per_layer, L):
 
 
 @given(data=st.data())
-@examples(30)
+@examples(24)
 def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
     """``privatize`` = ``(S + σΔz)·(1/B)`` bit for bit, ``S`` from ``clip_and_accumulate`` and ``σΔz``
     from ``gaussian_noise`` (Philox, same key) or the float64 ChaCha20 stream (secure mode: ``S + σΔz``
