@@ -38,6 +38,8 @@ import dpkernels.optim as optim
 from dpkernels.clip import CLIP
 from dpkernels.reference.noise import chacha20_standard_normal, round_once
 
+# Derandomized (CI reproducible), no deadline, and no shrinking: shrinking a failure on the
+# interpreted Triton backend took minutes; the failing example is reported as drawn.
 settings.register_profile(
     "dpkernels-fuzz",
     deadline=None,
