@@ -234,11 +234,9 @@ def _check_weighted_sum(sets, weights: Tensor, coeffs: list[float], sums: list[T
     cause: the weights, the samples with a nonzero weight and a non-finite gradient, or else the
     sum's own overflow. The finite case costs a max-abs pass over the sums and the weights (not
     over the ``B×D`` gradients) and one sync; the samples are located only after it fails."""
-    top = torch.finfo(sums[0].dtype).max
-    parts = [t for t in (*sums, weights) if t.numel()]
-    if not parts or bool((torch.stack(torch._foreach_norm(parts, float("inf"))) <= top).all()):
+    if _in_range([*sums, weights]):
         return
-    big = ~(weights.abs() <= top).all(dim=1)
+    big = ~(weights.abs() <= torch.finfo(sums[0].dtype).max).all(dim=1)
     what = f"weight (NaN, Inf or beyond the {sums[0].dtype} range)"
     ref.check_nonfinite(big, "raise", what, "weights must be finite")
     bad = torch.zeros(weights.shape[0], dtype=torch.bool, device=weights.device)
@@ -247,11 +245,35 @@ def _check_weighted_sum(sets, weights: Tensor, coeffs: list[float], sums: list[T
     ref.check_nonfinite(
         bad, "raise", "per-sample gradient with a nonzero weight", "give those samples weight 0 (they are skipped)"
     )
+    raise _overflow_error(sums, "weighted sum", "every weighted sample is finite", "scale the weights down")
+
+
+def _in_range(tensors: list[Tensor]) -> bool:
+    """Every element finite and within the first tensor's dtype range: one multi-tensor max-abs
+    pass, one sync."""
+    parts = [t for t in tensors if t.numel()]
+    top = torch.finfo(parts[0].dtype).max if parts else 0.0
+    return not parts or bool((torch.stack(torch._foreach_norm(parts, float("inf"))) <= top).all())
+
+
+def _overflow_error(sums: list[Tensor], what: str, why: str, fix: str) -> ValueError:
     over = [l for l, s in enumerate(sums) if not bool(torch.isfinite(s).all())]  # noqa: E741
-    raise ValueError(
-        f"the weighted sum overflows {sums[0].dtype} in tensor(s) {over}: every weighted sample is finite, "
-        "their sum is not; scale the weights down"
-    )
+    return ValueError(f"the {what} overflows {sums[0].dtype} in tensor(s) {over}: {why}, their sum is not; {fix}")
+
+
+def _pipeline(backend: str, *args, **kwargs) -> tuple[list[Tensor], Tensor, Tensor]:
+    """``(sums, norms, weights)`` of the backend's fused pipeline, refusing sums beyond their dtype.
+
+    Every clipped sample is finite and bounded, but ``B`` of them (``B·C`` above fp32's maximum), or
+    with ``scale`` the unscaled weighted gradients, can sum past it; the kernels then write Inf,
+    which would also hide the noise added in the same pass. The check costs a max-abs pass over the
+    ``D`` sums (not the ``B×D`` gradients) and one sync."""
+    sums, norms, w = CLIP.kernels(backend).pipeline(*args, **kwargs)
+    if not _in_range(sums):
+        raise _overflow_error(
+            sums, "clipped sum", "every clipped sample is finite", "lower max_grad_norm (or the batch size)"
+        )
+    return sums, norms, w
 
 
 @_weighted_sum_op.register_fake
@@ -273,9 +295,7 @@ def _clip_and_accumulate_op(
     nonfinite: str,
     backend: str,
 ) -> tuple[list[Tensor], Tensor]:
-    sums, norms, _ = CLIP.kernels(backend).pipeline(
-        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite
-    )
+    sums, norms, _ = _pipeline(backend, grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite)
     return sums, norms
 
 
@@ -314,17 +334,17 @@ def _privatize_op(
             grads, coeffs, max_grad_norm, noise_std, k, out_scale, mode, r, shift, scale, per_layer, noise, nonfinite,
             backend,
         )  # fmt: skip
-    return CLIP.kernels(backend).pipeline(
-        grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, noise_std=noise_std, key=k,
-        out_scale=out_scale, noise=noise,
+    return _pipeline(
+        backend, grads, coeffs, max_grad_norm, mode, r, shift, scale, per_layer, nonfinite, noise_std=noise_std,
+        key=k, out_scale=out_scale, noise=noise,
     )[0]  # fmt: skip
 
 
 def _clipped_sums(grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0):
     """``(sums, weights)``: the noise-free pipeline on any backend, with the per-sample weights
     ``[B, L]`` that :func:`clip_and_accumulate` does not return (``grads`` flat, ``C`` a list)."""
-    sums, _, w = CLIP.kernels(backend).pipeline(
-        grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, norm_scale=norm_scale
+    sums, _, w = _pipeline(
+        backend, grads, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, norm_scale=norm_scale
     )
     return sums, w
 

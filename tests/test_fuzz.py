@@ -21,8 +21,7 @@ transposed and batch-expanded views, every clip mode, per-layer bounds, shift an
 
 Each property runs ``@examples(n)`` derandomized examples (the same on every backend; the tensors
 stay tiny because Triton runs in the interpreter here), so CI is reproducible. Known failures are
-strict xfails: the fused ops return inf when the clipped sum overflows fp32, and the Triton
-interpreter flushes bf16 subnormals (left out of the Triton examples).
+strict xfail: the Triton interpreter flushes bf16 subnormals (left out of the Triton examples).
 """
 
 import math
@@ -278,16 +277,19 @@ def test_clip_and_accumulate(backend_device, data):
             dpkernels.clip_and_accumulate(grads, C, **kw)
         assert_unchanged(before, grads)
         return
-    sums, norms = dpkernels.clip_and_accumulate(grads, C, **kw)
-    assert_unchanged(before, grads)
     p_sums, p_norms, w = pipeline(grads, C, mode, r, per_layer, shift, scale, policy, backend)
-    assert_unchanged(sums, p_sums)
-    assert_unchanged([norms], [p_norms])
     assert w.shape == (grads[0].shape[0], len(grads))
     check_contributions(grads, w, C, per_layer, shift, scale, bad)
-    if overflows(grads, w):  # returned as inf: test_overflowing_clipped_sum_is_refused
+    if overflows(grads, w):
         event("clipped sum beyond fp32")
+        with pytest.raises(ValueError, match="the clipped sum overflows"):
+            dpkernels.clip_and_accumulate(grads, C, **kw)
+        assert_unchanged(before, grads)
         return
+    sums, norms = dpkernels.clip_and_accumulate(grads, C, **kw)
+    assert_unchanged(before, grads)
+    assert_unchanged(sums, p_sums)
+    assert_unchanged([norms], [p_norms])
     check_sums(sums, grads, w)
     if bad:  # the others are as if the dropped samples were not there
         keep = [i for i in range(grads[0].shape[0]) if i not in bad]
@@ -303,23 +305,13 @@ OVERFLOWING = [
     ([torch.full((4, 1), 3e38)], 3e38, {}),
     ([torch.full((1, 2), 6e4)], 1e30, dict(mode="auto_v", scale=[torch.full((2,), 1e-30)])),
 ]
-RETURNS_INF = pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception, reason="the fused ops return inf when the clipped sum overflows fp32"
-)
 
 
 @pytest.mark.parametrize("case", range(len(OVERFLOWING)))
-@pytest.mark.parametrize(
-    "op",
-    [
-        "weighted_sum",
-        pytest.param("clip_and_accumulate", marks=RETURNS_INF),
-        pytest.param("privatize", marks=RETURNS_INF),
-    ],
-)
+@pytest.mark.parametrize("op", ["weighted_sum", "clip_and_accumulate", "privatize"])
 def test_overflowing_clipped_sum_is_refused(backend_device, case, op):
-    """``weighted_sum`` raises when the weighted sum overflows; the fused ops should too rather
-    than return inf (which also hides the noise)."""
+    """A sum beyond fp32 raises, naming the tensors, rather than returning Inf (which would also
+    hide the noise of ``privatize``)."""
     backend, device = backend_device
     g, C, kw = OVERFLOWING[case]
     g = [x.to(device) for x in g]
@@ -426,6 +418,8 @@ def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
         error = r"scale\[\d+\] has an entry of magnitude .* overflows float32"
     elif bad and policy == "raise":
         error = nonfinite_message("per-sample gradient", bad)
+    elif overflows(grads, pipeline(grads, C, mode, r, per_layer, None, scale, policy, backend)[2]):
+        error = "the clipped sum overflows"
     else:
         error = None
     event(f"B={B}, {rng}, rejected: {error is not None}")
