@@ -7,10 +7,12 @@ Each optimizer reads Opacus-style per-sample gradients from ``p.grad_sample`` an
 The state layout is the same on every backend, so checkpoints move between them.
 
 Modules: :mod:`._base` (the shared base and privacy arguments), :mod:`.sgd` (DPSGD incl. PSAC,
-DPPMLF), :mod:`.adam` (DPAdam, DPAdamBC, DPAdamSTP), :mod:`.macadam`, :mod:`.dp2`.
+DPPMLF), :mod:`.adam` (DPAdam, DPAdamBC, DPAdamSTP), :mod:`.macadam`, :mod:`.dp2`,
+:mod:`._distributed` (``distributed=True`` data parallel; ZeRO-1 :class:`ShardedDPOptimizer`).
 """
 
 from ._base import LAYOUT, OPTIM, DPOptimizer, PrivacyArgs  # noqa: F401  (importable from here)
+from ._distributed import ShardedDPOptimizer  # noqa: F401  (a wrapper, not an algorithm: not in __all__)
 from .adam import DPAdam, DPAdamBC, DPAdamSTP
 from .dp2 import DP2
 from .macadam import DPMacAdam

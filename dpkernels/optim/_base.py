@@ -35,6 +35,7 @@ from ..noise import RNGS, _check_counter, _signed64, fresh_key, fresh_seed, gaus
 from ..reference import optim as ref
 from ..reference.noise import standard_normal
 from ..reference.optim import state_dtype
+from . import _distributed
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Filter coefficients ``[a, g]`` of independent noise: ν = std·z.
@@ -122,6 +123,10 @@ class PrivacyArgs:
         backend: ``"auto"`` or one of ``dpkernels.BACKENDS``.
         rng: ``"philox"`` (in-pass) or ``"chacha20"`` (secure mode, pre-drawn); ``secure_key`` is
             ChaCha20's 256-bit key (fresh from the OS CSPRNG when None).
+        distributed: ``False`` (one process), ``True`` (the default ``torch.distributed`` group) or a
+            ``ProcessGroup``: data parallel, each rank clipping its own samples, the clipped sums
+            all-reduced and the noise (std ``σ·C``) drawn once for the global batch, identically on
+            every rank (:mod:`dpkernels.optim._distributed`); ``expected_batch_size`` is then global.
     """
 
     noise_multiplier: float
@@ -134,6 +139,7 @@ class PrivacyArgs:
     backend: str = "auto"
     rng: str = "philox"
     secure_key: int | None = None
+    distributed: object = False
 
 
 _PRIVACY_PARAMS = [
@@ -234,12 +240,33 @@ class DPOptimizer(torch.optim.Optimizer):
         if not params:
             raise ValueError(f"{type(self).__name__} got no parameters (every param group is empty)")
         self._check_params(params)
+        self.process_group = _distributed.process_group(args.distributed)
+        if self.process_group is not None:
+            self._agree(args, params)
+        #: the global flat index of this optimizer's first parameter element: the noise counter's
+        #: ``e`` starts there (a ZeRO-1 shard, :class:`~dpkernels.optim._distributed.ShardedDPOptimizer`)
+        self._noise_offset = 0
         self._step = 0
         for p in params:
             self.state[p] = self._init_state(p)
         self.rng = args.rng
         if self.rng != "philox" and self.correlated_noise is not None:
             raise ValueError("correlated_noise draws Philox noise; rng='chacha20' cannot be combined with it")
+
+    def _agree(self, args: PrivacyArgs, params: list[Tensor]) -> None:
+        """Make the ranks use one noise key (rank 0's fresh one unless given) and check that they
+        were built alike; every rank raises the same error otherwise."""
+        given = dict(
+            cls=type(self).__name__, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.expected_batch_size, mode=self.mode, r=self.r, rng=args.rng,
+            shapes=[tuple(p.shape) for p in params], groups=[len(g["params"]) for g in self.param_groups],
+        )  # fmt: skip
+        drawn = {}
+        for name, value, fresh in (("seed", self.seed, args.seed is None and args.correlated_noise is None),
+                                   ("secure_key", self.secure_key, args.secure_key is None)):  # fmt: skip
+            (drawn if fresh else given)[name] = value
+        agreed = _distributed.agree(self.process_group, given, drawn)
+        self.seed, self.secure_key = agreed["seed"], agreed["secure_key"]
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the parameters checked (and their state
@@ -347,7 +374,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self._params()
         if self.correlated_noise is not None:
             return self.correlated_noise.noise([p.shape for p in params], t, device=params[0].device)
-        z = standard_normal(sum(p.numel() for p in params), seed=self.seed, step=t, device=params[0].device)
+        z = standard_normal(sum(p.numel() for p in params), seed=self.seed, step=t, offset=self._noise_offset,
+                            device=params[0].device)  # fmt: skip
         return [part.view(p.shape) for part, p in zip(torch.split(z, [p.numel() for p in params]), params, strict=True)]
 
     @torch.no_grad()
@@ -395,7 +423,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Args:
             sums: one tensor per parameter, shaped like it, in the state dtype (fp32; fp64 for fp64
-                parameters).
+                parameters); with ``distributed``, this rank's part, summed over the ranks here.
             sensitivity: ``Δ``, the add/remove ℓ2 sensitivity of ``sums`` (required: the optimizer
                 cannot know how ``S`` was clipped): ``C`` for flat clipping at ``C``,
                 ``‖(C_1, …, C_L)‖₂`` for per-layer bounds ``C_l``. The noise std is ``σ·Δ``; too small a
@@ -427,6 +455,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise ValueError("step_from_sums(noise=...) cannot be combined with correlated_noise")
             noise = self._check_noise(noise, params)
         t = self._begin_step(params)
+        if self.process_group is not None:
+            sums = _distributed.reduce_flat(self.process_group, list(sums))
         if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
             noise = self._secure_noise(params, t, delta)
         self._update_from_sums(params, [s.contiguous() for s in sums], t, noise, delta)
@@ -660,7 +690,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """``σ·Δ·z`` from the secure generator, pre-drawn (not fused: the secure mode is for when the
         noise's provenance matters more than its speed)."""
         total = sum(p.numel() for p in params)
-        z = gaussian_noise(total, std=1.0, seed=self.secure_key, step=t, rng=self.rng, device=params[0].device)
+        z = gaussian_noise(total, std=1.0, seed=self.secure_key, step=t, offset=self._noise_offset, rng=self.rng,
+                           device=params[0].device)  # fmt: skip
         std = self.noise_multiplier * delta
         parts = torch.split(z, [p.numel() for p in params])
         return [std * part.view(p.shape) for part, p in zip(parts, params, strict=True)]
@@ -670,8 +701,15 @@ class DPOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
 
     def _clip_sums(self, grad_sets, C, *, coeffs=(1.0,), shift=None, scale=None, norm_scale=1.0):
-        """``(S, c)``: the clipped sums per parameter (state dtype) and the per-sample weights ``[B]``,
-        from the per-sample gradient sets or a :class:`~dpkernels.bk.BKBatch`."""
+        """``(S, Σ_i c_i)``: the clipped sums per parameter (state dtype) and the total weight, from
+        the per-sample gradient sets or a :class:`~dpkernels.bk.BKBatch`; with ``distributed``,
+        summed over the ranks (each rank clips its own samples)."""
+        clip = lambda: self._clip_local(grad_sets, C, coeffs, shift, scale, norm_scale)  # noqa: E731
+        if self.process_group is None:
+            return clip()
+        return _distributed.clip_then_reduce(self.process_group, clip)
+
+    def _clip_local(self, grad_sets, C, coeffs, shift, scale, norm_scale):
         params = self._params()
         if isinstance(grad_sets, BKBatch):
             sums, _, w = grad_sets.clipped_sums(
@@ -684,7 +722,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
                 norm_scale=norm_scale,
             )  # fmt: skip
-        return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0]
+        return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0].sum().item()
 
     # ----------------------------------------------------------------------------------------
     # Stage 2: one family op per parameter group
@@ -692,7 +730,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _groups(self, params):
         """``(group, slice, offset)``: each group's parameters and the global index of its first element."""
-        start = offset = 0
+        start, offset = 0, self._noise_offset
         for group in self.param_groups:
             sl = slice(start, start + len(group["params"]))
             yield group, sl, offset

@@ -88,11 +88,10 @@ class DPMacAdam(DPOptimizer):
 
     def _update(self, params, grad_sets, t, noise):
         C, B, sigma = self.max_grad_norm, self.expected_batch_size, self.noise_multiplier
-        sums, c = self._clip_sums(
+        sums, c_total = self._clip_sums(
             grad_sets, C, shift=[self.state[p]["shift"] for p in params],
             scale=[self.state[p]["inv_b_unnorm"] for p in params], norm_scale=1.0 / self.bscale,
         )  # fmt: skip
-        c_total = c.sum().item()
         bc = 0 if not self.bias_correction else (1 if self.bc_scale == "paper" else 2)
         kappas = {id(g): macadam_kappa(t, g["betas"][0]) for g in self.param_groups}
 

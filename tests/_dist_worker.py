@@ -1,0 +1,182 @@
+"""One rank of ``test_distributed.py``: the dpkernels optimizers under ``torch.distributed`` (gloo, CPU).
+
+Usage: ``python _dist_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIO``.
+
+``run``: every optimizer of :data:`CONFIGS` with ``distributed=True`` for :data:`STEPS` steps, rank ``r``
+holding rows :func:`rows` of each step's global batch (:func:`batch`); the ZeRO-1
+``ShardedDPOptimizer`` against the unsharded data-parallel run; a sharded ``step_from_sums`` whose
+all-reduced sum is exact (rank 0 holds the global ``S``, the others 0); a clip that raises on the
+last rank. Saves ``OUT_DIR/rank{r}.pt`` and prints ``rank R: done``.
+
+``exit`` / ``stall``: rank 1 dies (``os._exit``) or sleeps before its second step; rank 0 must raise
+from the step within the group's 5 s timeout and print ``rank 0: raised ...``.
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from dpkernels.optim import DP2, DPPMLF, DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, ShardedDPOptimizer
+
+SHAPES = [(3, 5), (5,), (2, 3)]  # 26 elements: the 4-rank shard bounds 6, 13, 19 cut inside tensors 0 and 1
+B = 7  # the global batch; 4 ranks hold 2, 2, 2, 1 rows
+STEPS = 3
+PRIVACY = dict(noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=B)
+KEY = 3**100  # a ChaCha20 key
+
+#: name → (class, keyword arguments, number of gradient sets)
+CONFIGS = {
+    "sgd": (DPSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, seed=11), 1),
+    "psac": (DPSGD, dict(lr=0.1, mode="psac", r=0.1, seed=12), 1),
+    "adam": (DPAdam, dict(lr=0.01, weight_decay=0.1, seed=13), 1),
+    "adam_bc": (DPAdamBC, dict(lr=0.01, seed=14), 1),
+    "stp": (DPAdamSTP, dict(lr=0.01, seed=15), 1),
+    "macadam": (DPMacAdam, dict(lr=0.01, seed=16), 1),
+    "dp2": (DP2, dict(lr=0.1, s1=1, s2=1, seed=17), 1),
+    "pmlf": (DPPMLF, dict(lr=0.1, k=2, seed=18), 2),
+    "secure": (DPSGD, dict(lr=0.1, rng="chacha20", secure_key=KEY), 1),
+    "fresh_seed": (DPSGD, dict(lr=0.1), 1),  # no seed: every rank must use rank 0's fresh one
+}
+SHARDED = ("sgd", "adam", "adam_bc")
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def groups(params):
+    """Two param groups with their own lr: the second group's noise offset is the first's numel."""
+    return [{"params": params[:1]}, {"params": params[1:], "lr": 0.05}]
+
+
+def batch(t: int, k: int = 1) -> list[list[torch.Tensor]]:
+    """Step ``t``'s global per-sample gradients: ``k`` sets of ``[B, *shape]`` per parameter."""
+    g = torch.Generator().manual_seed(100 + t)
+    return [[torch.randn(k, B, *s, generator=g)[j] for j in range(k)] for s in SHAPES]
+
+
+def rows(rank: int, world: int) -> slice:
+    """Rank ``rank``'s rows of the global batch (``tensor_split``: uneven when ``world ∤ B``)."""
+    sizes = [len(c) for c in torch.arange(B).tensor_split(world)]
+    return slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+
+
+def set_grads(params, t: int, k: int, sl: slice = slice(None)) -> None:
+    for p, sets in zip(params, batch(t, k), strict=True):
+        p.grad_sample = [s[sl] for s in sets] if k > 1 else sets[0][sl]
+
+
+def train(name: str, distributed=False, sl: slice = slice(None), sharded: bool = False) -> list[torch.Tensor]:
+    """``STEPS`` steps of config ``name`` on rows ``sl`` of each global batch; the final parameters."""
+    cls, kwargs, k = CONFIGS[name]
+    params = initial_params()
+    if sharded:
+        opt = ShardedDPOptimizer(cls, groups(params), distributed=distributed, **PRIVACY, **kwargs)
+    else:
+        opt = cls(groups(params), distributed=distributed, **PRIVACY, **kwargs)
+    for t in range(STEPS):
+        set_grads(params, t, k, sl)
+        opt.step()
+    return params
+
+
+def clipped_sums(opt, params, t: int, sl: slice = slice(None)) -> list[torch.Tensor]:
+    """The clipped sum ``S`` of rows ``sl`` of step ``t``'s batch by a single-process ``opt``."""
+    set_grads(params, t, 1, sl)
+    return opt._clip_sums(opt._grad_sets(params), opt.max_grad_norm)[0]
+
+
+def global_sums(name: str) -> list[torch.Tensor]:
+    cls, kwargs, _ = CONFIGS[name]
+    params = initial_params()
+    return clipped_sums(cls(params, **PRIVACY, **kwargs), params, 0)
+
+
+def train_from_rank_sums(name: str, world: int) -> list[torch.Tensor]:
+    """:func:`train` in one process from ``Σ_r S_r`` added in rank order (``step_from_sums``): the
+    data-parallel run up to the order of the all-reduce's additions."""
+    cls, kwargs, _ = CONFIGS[name]
+    params = initial_params()
+    opt = cls(groups(params), **PRIVACY, **kwargs)
+    for t in range(STEPS):
+        parts = [clipped_sums(opt, params, t, rows(r, world)) for r in range(world)]
+        opt.step_from_sums([sum(ps[1:], ps[0]) for ps in zip(*parts, strict=True)], sensitivity=opt.max_grad_norm)
+    return params
+
+
+def from_sums(name: str, sums, distributed=False, sharded: bool = False) -> list[torch.Tensor]:
+    cls, kwargs, _ = CONFIGS[name]
+    params = initial_params()
+    if sharded:
+        opt = ShardedDPOptimizer(cls, groups(params), distributed=distributed, **PRIVACY, **kwargs)
+    else:
+        opt = cls(groups(params), **PRIVACY, **kwargs)
+    opt.step_from_sums(sums, sensitivity=0.75)
+    return params
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    sl = rows(rank, world)
+    out = {name: train(name, True, sl) for name in CONFIGS}
+    for name in SHARDED:
+        out[f"zero1/{name}"] = train(name, True, sl, sharded=True)
+    sums = global_sums("sgd")
+    mine = sums if rank == 0 else [torch.zeros_like(s) for s in sums]  # Σ_r is then exactly S
+    out["zero1_sums/sgd"] = from_sums("sgd", mine, True, sharded=True)
+    # A non-finite gradient on the last rank: every rank raises, no rank steps.
+    params = initial_params()
+    opt = DPSGD(params, lr=0.1, distributed=True, **PRIVACY, seed=1)
+    set_grads(params, 0, 1, sl)
+    if rank == world - 1:
+        params[1].grad_sample[0, 0] = float("nan")
+    try:
+        opt.step()
+        out["nonfinite"] = "stepped"
+    except (ValueError, RuntimeError) as e:
+        out["nonfinite"] = f"{type(e).__name__}: {e}"
+    out["nonfinite_unchanged"] = all(torch.equal(a, b) for a, b in zip(params, initial_params(), strict=True))
+    out["nonfinite_steps"] = opt.steps_taken
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def failure(rank: int, mode: str) -> None:
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    params = initial_params()
+    opt = DPSGD(params, lr=0.1, distributed=group, **PRIVACY, seed=1)
+    set_grads(params, 0, 1, rows(rank, 2))
+    opt.step()
+    before = [p.clone() for p in params]
+    if rank == 1:
+        if mode == "exit":
+            os._exit(17)
+        time.sleep(600)
+    set_grads(params, 1, 1, rows(rank, 2))
+    start = time.monotonic()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        unchanged = all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+        print(f"rank 0: raised after {time.monotonic() - start:.1f} s, unchanged={unchanged}: {e}", flush=True)
+        os._exit(0)  # no destroy_process_group: its peer is gone
+    print("rank 0: stepped without its peer", flush=True)
+    os._exit(1)
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if scenario == "run":
+        run(rank, world, out_dir)
+    else:
+        failure(rank, scenario)
+    dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

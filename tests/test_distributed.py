@@ -1,0 +1,152 @@
+"""The DP optimizers under ``torch.distributed`` (gloo, CPU): data parallel (``distributed=True``),
+ZeRO-1 (``ShardedDPOptimizer``) and a rank that dies or stalls mid-step. Each test starts its ranks
+as subprocesses (tests/_dist_worker.py) and compares them with single-process runs made here."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _dist_worker as w  # noqa: E402
+
+from dpkernels.optim import DPSGD, ShardedDPOptimizer  # noqa: E402
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+
+
+def _launch(world: int, tmp_path, scenario: str) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(world), str(tmp_path / "pg"), str(tmp_path), scenario],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4])
+def ranks(request, tmp_path_factory):
+    """``(world, [rank r's saved results])`` of the ``run`` scenario."""
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"world{world}")
+    procs = _launch(world, tmp, "run")
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"rank {rank}: done" in out, f"rank {rank} failed:\n{out[-4000:]}"
+    return world, [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_data_parallel_fresh_seed_is_rank_0s(ranks):
+    """No seed given: each rank draws its own, the constructor makes them use rank 0's (else the
+    ranks would add different noise and drift apart)."""
+    world, results = ranks
+    if world == 1:
+        pytest.skip("one rank")
+    assert not _equal(results[0]["fresh_seed"], w.initial_params())
+    for r in range(1, world):
+        assert _equal(results[r]["fresh_seed"], results[0]["fresh_seed"]), f"rank {r} differs from rank 0"
+
+
+@pytest.mark.parametrize("name", [n for n in w.CONFIGS if n != "fresh_seed"])
+def test_data_parallel_equals_one_process(ranks, name):
+    """Every rank ends with the same parameters, equal to one process on the global batch to fp32
+    rounding of the clipped sum's additions (noise drawn once, std σ·C: a per-rank draw would be
+    off by ~σC/B ≈ 0.07 per coordinate and step)."""
+    world, results = ranks
+    for r in range(1, world):
+        assert _equal(results[r][name], results[0][name]), f"rank {r} differs from rank 0"
+    single = w.train(name)
+    assert not _equal(single, w.initial_params())
+    torch.testing.assert_close(results[0][name], single, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "secure"])
+def test_data_parallel_bit_exact_with_rank_sums(ranks, name):
+    """One process stepping from ``Σ_r S_r`` (rank order) gives the data-parallel parameters bit for bit:
+    the noise and the update are exact, only the order of the all-reduce's additions may differ
+    (none for 1 or 2 ranks; gloo's order for 4)."""
+    world, results = ranks
+    got = w.train_from_rank_sums(name, world)
+    if world <= 2:
+        assert _equal(results[0][name], got)
+    else:
+        torch.testing.assert_close(results[0][name], got, rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("name", w.SHARDED)
+def test_zero1_equals_unsharded(ranks, name):
+    """ZeRO-1 (state and noise of each rank's range, shard bounds inside tensors) gives the unsharded
+    data-parallel parameters bit for bit, on every rank."""
+    world, results = ranks
+    for r in range(world):
+        assert _equal(results[r][f"zero1/{name}"], results[r][name]), f"rank {r}"
+
+
+def test_zero1_step_from_sums_is_world_independent(ranks):
+    """With an exactly all-reduced sum, ZeRO-1 over 1, 2 or 4 ranks equals the single-process
+    step bit for bit: each range's noise is keyed by its global flat index."""
+    world, results = ranks
+    want = w.from_sums("sgd", w.global_sums("sgd"))
+    assert not _equal(want, w.initial_params())
+    for r in range(world):
+        assert _equal(results[r]["zero1_sums/sgd"], want)
+
+
+def test_clip_failure_on_one_rank_stops_every_rank(ranks):
+    """A non-finite gradient on the last rank: that rank raises its ValueError, the others a
+    RuntimeError naming it; no rank writes a parameter or counts a step."""
+    world, results = ranks
+    for r, res in enumerate(results):
+        assert res["nonfinite_unchanged"] and res["nonfinite_steps"] == 0
+        if r == world - 1:
+            assert res["nonfinite"].startswith("ValueError") and "non-finite" in res["nonfinite"]
+        else:
+            assert res["nonfinite"].startswith("RuntimeError") and "clip raised on 1 other rank" in res["nonfinite"]
+
+
+@pytest.mark.parametrize("mode", ["exit", "stall"])
+def test_dead_rank_raises_not_hangs(mode, tmp_path):
+    """Rank 1 exits (or stalls) before its second step: rank 0's step raises within 60 s (gloo
+    closes the connection, or the group's 5 s timeout passes) and leaves its parameters unchanged."""
+    start = time.monotonic()
+    procs = _launch(2, tmp_path, mode)
+    try:
+        out = procs[0].communicate(timeout=60)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert time.monotonic() - start < 60
+    assert procs[0].returncode == 0 and "rank 0: raised" in out, out[-4000:]
+    assert "unchanged=True" in out and "another rank died, stalled" in out, out[-4000:]
+
+
+def test_argument_errors(tmp_path):
+    """Without an initialised group, or with a wrong ``distributed``, the constructors raise."""
+    params = w.initial_params()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DPSGD(params, lr=0.1, distributed=True, **w.PRIVACY)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match="ProcessGroup"):
+            DPSGD(params, lr=0.1, distributed="world", **w.PRIVACY)
+        with pytest.raises(NotImplementedError, match="clips with its own state"):
+            ShardedDPOptimizer(w.CONFIGS["stp"][0], params, lr=0.1, **w.PRIVACY)
+        with pytest.raises(ValueError, match="needs distributed"):
+            ShardedDPOptimizer(DPSGD, params, lr=0.1, distributed=False, **w.PRIVACY)
+        with pytest.raises(TypeError, match="one parameter dtype"):
+            ShardedDPOptimizer(DPSGD, [params[0], params[1].double()], lr=0.1, backend="reference", **w.PRIVACY)
+    finally:
+        dist.destroy_process_group()
