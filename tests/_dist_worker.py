@@ -9,7 +9,7 @@ all-reduced sum is exact (rank 0 holds the global ``S``, the others 0); a clip t
 last rank. Saves ``OUT_DIR/rank{r}.pt`` and prints ``rank R: done``.
 
 ``exit`` / ``stall``: rank 1 dies (``os._exit``) or sleeps before its second step; rank 0 must raise
-from the step within the group's 5 s timeout and print ``rank 0: raised ...``.
+from the step within the group's 3 s timeout and print ``rank 0: raised ...``.
 """
 
 import datetime
@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dpkernels import BLTNoise
 from dpkernels.optim import DP2, DPPMLF, DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, ShardedDPOptimizer
 
 SHAPES = [(3, 5), (5,), (2, 3)]  # 26 elements: the 4-rank shard bounds 6, 13, 19 cut inside tensors 0 and 1
@@ -28,7 +29,7 @@ STEPS = 3
 PRIVACY = dict(noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=B)
 KEY = 3**100  # a ChaCha20 key
 
-#: name → (class, keyword arguments, number of gradient sets)
+#: name → (class, keyword arguments, number of gradient sets); a callable argument is called per optimizer
 CONFIGS = {
     "sgd": (DPSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, seed=11), 1),
     "psac": (DPSGD, dict(lr=0.1, mode="psac", r=0.1, seed=12), 1),
@@ -39,9 +40,22 @@ CONFIGS = {
     "dp2": (DP2, dict(lr=0.1, s1=1, s2=1, seed=17), 1),
     "pmlf": (DPPMLF, dict(lr=0.1, k=2, seed=18), 2),
     "secure": (DPSGD, dict(lr=0.1, rng="chacha20", secure_key=KEY), 1),
+    "blt": (
+        DPSGD,
+        dict(lr=0.1, correlated_noise=lambda: BLTNoise([0.9, 0.5], [0.3, 0.1], std=1.0, seed=19, start_step=1)),
+        1,
+    ),
     "fresh_seed": (DPSGD, dict(lr=0.1), 1),  # no seed: every rank must use rank 0's fresh one
 }
 SHARDED = ("sgd", "adam", "adam_bc")
+
+
+def make(name: str, params, distributed=False, sharded: bool = False):
+    cls, kwargs, _ = CONFIGS[name]
+    kwargs = {k: v() if callable(v) else v for k, v in kwargs.items()}
+    if sharded:
+        return ShardedDPOptimizer(cls, params, distributed=distributed, **PRIVACY, **kwargs)
+    return cls(params, distributed=distributed, **PRIVACY, **kwargs)
 
 
 def initial_params() -> list[torch.Tensor]:
@@ -73,12 +87,9 @@ def set_grads(params, t: int, k: int, sl: slice = slice(None)) -> None:
 
 def train(name: str, distributed=False, sl: slice = slice(None), sharded: bool = False) -> list[torch.Tensor]:
     """``STEPS`` steps of config ``name`` on rows ``sl`` of each global batch; the final parameters."""
-    cls, kwargs, k = CONFIGS[name]
+    k = CONFIGS[name][2]
     params = initial_params()
-    if sharded:
-        opt = ShardedDPOptimizer(cls, groups(params), distributed=distributed, **PRIVACY, **kwargs)
-    else:
-        opt = cls(groups(params), distributed=distributed, **PRIVACY, **kwargs)
+    opt = make(name, groups(params), distributed, sharded)
     for t in range(STEPS):
         set_grads(params, t, k, sl)
         opt.step()
@@ -92,17 +103,15 @@ def clipped_sums(opt, params, t: int, sl: slice = slice(None)) -> list[torch.Ten
 
 
 def global_sums(name: str) -> list[torch.Tensor]:
-    cls, kwargs, _ = CONFIGS[name]
     params = initial_params()
-    return clipped_sums(cls(params, **PRIVACY, **kwargs), params, 0)
+    return clipped_sums(make(name, params), params, 0)
 
 
 def train_from_rank_sums(name: str, world: int) -> list[torch.Tensor]:
     """:func:`train` in one process from ``Σ_r S_r`` added in rank order (``step_from_sums``): the
     data-parallel run up to the order of the all-reduce's additions."""
-    cls, kwargs, _ = CONFIGS[name]
     params = initial_params()
-    opt = cls(groups(params), **PRIVACY, **kwargs)
+    opt = make(name, groups(params))
     for t in range(STEPS):
         parts = [clipped_sums(opt, params, t, rows(r, world)) for r in range(world)]
         opt.step_from_sums([sum(ps[1:], ps[0]) for ps in zip(*parts, strict=True)], sensitivity=opt.max_grad_norm)
@@ -110,12 +119,8 @@ def train_from_rank_sums(name: str, world: int) -> list[torch.Tensor]:
 
 
 def from_sums(name: str, sums, distributed=False, sharded: bool = False) -> list[torch.Tensor]:
-    cls, kwargs, _ = CONFIGS[name]
     params = initial_params()
-    if sharded:
-        opt = ShardedDPOptimizer(cls, groups(params), distributed=distributed, **PRIVACY, **kwargs)
-    else:
-        opt = cls(groups(params), **PRIVACY, **kwargs)
+    opt = make(name, groups(params), distributed, sharded)
     opt.step_from_sums(sums, sensitivity=0.75)
     return params
 
@@ -145,7 +150,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
 
 def failure(rank: int, mode: str) -> None:
-    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
     params = initial_params()
     opt = DPSGD(params, lr=0.1, distributed=group, **PRIVACY, seed=1)
     set_grads(params, 0, 1, rows(rank, 2))
