@@ -146,7 +146,51 @@ def run(rank: int, world: int, out_dir: str) -> None:
         out["nonfinite"] = f"{type(e).__name__}: {e}"
     out["nonfinite_unchanged"] = all(torch.equal(a, b) for a, b in zip(params, initial_params(), strict=True))
     out["nonfinite_steps"] = opt.steps_taken
+    if world == 2:
+        out["opacus"] = opacus_run()
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+OPACUS_SEED, OPACUS_N, OPACUS_LOADER_BATCH = 7, 32, 8  # q = 1/4, global E = 8
+
+
+def opacus_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def opacus_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(
+        torch.randn(OPACUS_N, 4, generator=g), torch.randint(0, 3, (OPACUS_N,), generator=g)
+    )
+
+
+def opacus_run() -> dict:
+    """``make_private(algorithm="dpsgd")`` on Opacus's DPDDP module: 3 steps; each rank's batches, the
+    final parameters, the engine's ``B`` and ε."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    from dpkernels.integrations.opacus import PrivacyEngine
+
+    model = opacus_model()
+    loader = torch.utils.data.DataLoader(opacus_data(), batch_size=OPACUS_LOADER_BATCH)
+    pe = PrivacyEngine(accountant="rdp")
+    torch.manual_seed(100 + dist.get_rank())  # each rank's Poisson draws
+    module, opt, loader = pe.make_private(
+        module=DPDDP(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, algorithm="dpsgd", seed=OPACUS_SEED,
+    )  # fmt: skip
+    batches = []
+    for step, (x, y) in enumerate(loader):
+        if step == 3:
+            break
+        batches.append((x, y))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        opt.step()
+    return dict(params=[p.detach().clone() for p in model.parameters()], batches=batches,
+                B=opt.engine.expected_batch_size, eps=pe.get_epsilon(1e-5))  # fmt: skip
 
 
 def failure(rank: int, mode: str) -> None:

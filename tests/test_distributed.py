@@ -122,6 +122,44 @@ def test_clip_failure_on_one_rank_stops_every_rank(ranks):
             assert res["nonfinite"].startswith("RuntimeError") and "clip raised on 1 other rank" in res["nonfinite"]
 
 
+def test_make_private_data_parallel(ranks):
+    """``make_private(algorithm="dpsgd")`` on Opacus's DPDDP module, 2 ranks with their own Poisson
+    batches: the engine's B is the global E = 8, both ranks end equal, and equal (fp32 rounding) to one
+    DPSGD process on the union of the ranks' batches with the same seed; ε is Opacus's for q, σ, 3 steps."""
+    world, results = ranks
+    if world != 2:
+        pytest.skip("run on 2 ranks")
+    runs = [res["opacus"] for res in results]
+    assert runs[0]["B"] == runs[1]["B"] == 8
+    assert _equal(runs[0]["params"], runs[1]["params"])
+    model = w.opacus_model()
+    params = list(model.parameters())
+    opt = DPSGD(params, lr=0.1, momentum=0.9, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8,
+                seed=w.OPACUS_SEED)  # fmt: skip
+    init = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(model, p, (x[None],)), y[None])
+
+    for step in range(3):
+        x = torch.cat([r["batches"][step][0] for r in runs])
+        y = torch.cat([r["batches"][step][1] for r in runs])
+        assert len(x) > 0
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(init, x, y)
+        for (name, _), p in zip(model.named_parameters(), params, strict=True):
+            p.grad_sample = grads[name]
+        opt.step()
+        init = {k: v.detach() for k, v in model.named_parameters()}
+    assert not _equal(runs[0]["params"], list(w.opacus_model().parameters()))
+    torch.testing.assert_close(runs[0]["params"], [p.detach() for p in params], rtol=1e-5, atol=1e-6)
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    for _ in range(3):
+        acc.step(noise_multiplier=1.0, sample_rate=1 / 4)
+    assert runs[0]["eps"] == runs[1]["eps"] == acc.get_epsilon(1e-5)
+
+
 @pytest.mark.parametrize("mode", ["exit", "stall"])
 def test_dead_rank_raises_not_hangs(mode, tmp_path):
     """Rank 1 exits (or stalls) before its second step: rank 0's step raises within 60 s (gloo

@@ -59,9 +59,15 @@ current set comes from the GradSampleModule; the ``k − 1`` past sets are recom
 the data, so its step takes the batch: ``optimizer.step(batch=(inputs, targets))``. The
 per-sample loss is make_private's ``criterion`` applied to one sample.
 
+**Data parallel**: with the module wrapped in Opacus's ``DifferentiallyPrivateDistributedDataParallel``,
+Opacus builds its distributed Poisson loader (each rank samples its shard at rate ``q``) and the
+engine is built with ``distributed=True`` and the GLOBAL expected batch size: each rank clips its
+own samples, the clipped sums are all-reduced and the noise is drawn once, identically on every
+rank (:mod:`dpkernels.optim._distributed`); each rank's accountant counts the same steps.
+
 Restrictions (each raises ``NotImplementedError`` before Opacus touches the module): flat
 clipping, ``grad_sample_mode`` in ``hooks``/``functorch``/``bk``, ``loss_reduction="mean"``,
-``wrap_model=True``, no distributed module, no ``BatchMemoryManager`` (``signal_skip_step``).
+``wrap_model=True``, no torch DDP or FSDP module, no ``BatchMemoryManager`` (``signal_skip_step``).
 ``noise_generator`` seeds the engine's Philox key (when ``seed`` is not given); a
 ``secure_mode`` privacy engine gets ChaCha20 noise (``rng="chacha20"``).
 """
@@ -74,7 +80,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 try:
     from opacus import PrivacyEngine as _OpacusPrivacyEngine
@@ -489,8 +497,13 @@ def make_private(
                 f"make_private(algorithm={algorithm!r}) supports {name} in {allowed}, got {value!r} "
                 "(the engine clips flat over all parameters from p.grad_sample of a GradSampleModule)"
             )
-    if isinstance(module, (_DPDDP, nn.parallel.DistributedDataParallel)):
-        raise NotImplementedError(f"make_private(algorithm={algorithm!r}) does not support distributed modules")
+    if isinstance(module, (nn.parallel.DistributedDataParallel, FSDPModule)):
+        raise NotImplementedError(
+            f"make_private(algorithm={algorithm!r}) supports one distributed module, Opacus's "
+            "DifferentiallyPrivateDistributedDataParallel (torch's DDP all-reduces the non-private gradients, "
+            "FSDP shards the parameters)"
+        )
+    distributed = isinstance(module, _DPDDP)
     if isinstance(max_grad_norm, (list, tuple)):
         raise NotImplementedError("a list of max_grad_norm is per-layer clipping; the engines clip flat")
     rng = "chacha20" if privacy_engine.secure_mode else "philox"
@@ -501,7 +514,7 @@ def make_private(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
 
-    def build(groups, batch_size):
+    def build(groups, batch_size, distributed=False):
         return spec.engine(
             groups,
             noise_multiplier=noise_multiplier,
@@ -511,6 +524,7 @@ def make_private(
             correlated_noise=correlated_noise,
             backend=backend,
             rng=rng,
+            distributed=distributed,
             **hypers[0],
             **engine_kwargs,
         )
@@ -541,13 +555,15 @@ def make_private(
         gsm = BKModule(gsm._module, loss_reduction=loss_reduction)
     sample_rate = 1 / len(loader)  # as Opacus computes it (privacy_engine.py, make_private)
     groups = [{"params": g["params"], **h} for g, h in zip(optimizer.param_groups, hypers, strict=True)]
-    engine = build(groups, int(opacus_opt.expected_batch_size))
+    # Opacus's E is per rank under DDP (divided by the world size); the engine's B is the global one.
+    batch_size = round(opacus_opt.expected_batch_size * (dist.get_world_size() if distributed else 1))
+    engine = build(groups, batch_size, distributed)
     dp_opt = DPKernelsOptimizer(
         engine,
         algorithm=algorithm,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
-        expected_batch_size=int(opacus_opt.expected_batch_size),
+        expected_batch_size=batch_size,
         generator=noise_generator,
         secure_mode=privacy_engine.secure_mode,
         pmlf_model=gsm._module if algorithm == "pmlf" else None,
