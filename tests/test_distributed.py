@@ -2,6 +2,7 @@
 ZeRO-1 (``ShardedDPOptimizer``) and a rank that dies or stalls mid-step. Each test starts its ranks
 as subprocesses (tests/_dist_worker.py) and compares them with single-process runs made here."""
 
+import copy
 import subprocess
 import sys
 import time
@@ -193,5 +194,28 @@ def test_argument_errors(tmp_path):
             ShardedDPOptimizer(DPSGD, params, lr=0.1, distributed=False, **w.PRIVACY)
         with pytest.raises(TypeError, match="one parameter dtype"):
             ShardedDPOptimizer(DPSGD, [params[0], params[1].double()], lr=0.1, backend="reference", **w.PRIVACY)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_state_dict_resumes(tmp_path):
+    """A ZeRO-1 shard's state_dict resumes the run bit for bit and is refused by another shard layout."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        params = w.initial_params()
+        opt = w.make("adam", w.groups(params), True, sharded=True)
+        w.set_grads(params, 0, 1)
+        opt.step()
+        saved, saved_params = copy.deepcopy(opt.state_dict()), [p.clone() for p in params]
+        w.set_grads(params, 1, 1)
+        opt.step()
+        resumed = list(saved_params)
+        again = w.make("adam", w.groups(resumed), True, sharded=True)
+        again.load_state_dict(saved)
+        w.set_grads(resumed, 1, 1)
+        again.step()
+        assert again.steps_taken == 2 and _equal(resumed, params)
+        with pytest.raises(ValueError, match="ZeRO-1 shard"):
+            again.load_state_dict({**saved, "zero1": {"world": 2, "rank": 1}})
     finally:
         dist.destroy_process_group()

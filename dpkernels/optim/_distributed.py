@@ -66,14 +66,17 @@ def agree(group, given: dict, drawn: dict) -> dict:
     return {**given, **values[0][1]}
 
 
-def _collective(what: str, fn):
+_UNCHANGED = "This step changed no parameter or state"
+
+
+def _collective(what: str, fn, consequence: str = _UNCHANGED):
     try:
         return fn()
     except RuntimeError as err:  # gloo: a peer closed its connection, or the group's timeout passed
         rank = dist.get_rank()
         raise RuntimeError(
             f"dpkernels rank {rank}: the {what} failed ({err}); another rank died, stalled or raised "
-            "outside the step. This step changed no parameter or state"
+            f"outside the step. {consequence}"
         ) from err
 
 
@@ -265,7 +268,12 @@ class ShardedDPOptimizer:
         mine = torch.cat([p.reshape(-1) for p in self.engine._params()])
         own[: mine.numel()] = mine
         parts = [torch.empty_like(own) for _ in range(self.world)]
-        _collective("all-gather of the parameter shards", lambda: dist.all_gather(parts, own, group=self.group))
+        _collective(
+            "all-gather of the parameter shards",
+            lambda: dist.all_gather(parts, own, group=self.group),
+            "This rank's range of the parameters and its state were updated but the others' were not "
+            "gathered: restart from a checkpoint",
+        )
         flat = torch.cat([parts[r][: self.bounds[r + 1] - self.bounds[r]] for r in range(self.world)])
         for p, part in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
             p.data.copy_(part.view(p.shape))
