@@ -707,7 +707,7 @@ class DPOptimizer(torch.optim.Optimizer):
         clip = lambda: self._clip_local(grad_sets, C, coeffs, shift, scale, norm_scale)  # noqa: E731
         if self.process_group is None:
             return clip()
-        return _distributed.clip_then_reduce(self.process_group, clip)
+        return _distributed.clip_then_reduce(self.process_group, clip, self._params()[0].device)
 
     def _clip_local(self, grad_sets, C, coeffs, shift, scale, norm_scale):
         params = self._params()

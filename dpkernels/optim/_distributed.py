@@ -92,9 +92,10 @@ def reduce_flat(group, tensors: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def _exchange_status(group, c_total: float, failed: bool) -> float:
-    """``Σ_r c_r`` over the ranks; raises on a rank whose clip passed when another rank's raised."""
-    meta = torch.tensor([c_total, float(failed)], dtype=torch.float64)
+def _exchange_status(group, c_total: float, failed: bool, device) -> float:
+    """``Σ_r c_r`` over the ranks; raises on a rank whose clip passed when another rank's raised.
+    ``device``: the parameters' (NCCL reduces GPU tensors only)."""
+    meta = torch.tensor([c_total, float(failed)], dtype=torch.float64, device=device)
     _collective("all-reduce of the clip status", lambda: dist.all_reduce(meta, group=group))
     if meta[1] > 0 and not failed:
         raise RuntimeError(
@@ -104,16 +105,16 @@ def _exchange_status(group, c_total: float, failed: bool) -> float:
     return float(meta[0])
 
 
-def clip_then_reduce(group, clip) -> tuple[list[Tensor], float]:
+def clip_then_reduce(group, clip, device) -> tuple[list[Tensor], float]:
     """``clip()`` → ``(sums, c_total)`` on this rank's samples, then summed over the ranks. A rank
     whose clip raises still joins the status all-reduce (so no rank waits for it), then re-raises;
     the others raise too."""
     try:
         sums, c_total = clip()
     except Exception:
-        _exchange_status(group, 0.0, True)
+        _exchange_status(group, 0.0, True, device)
         raise
-    c_total = _exchange_status(group, c_total, False)
+    c_total = _exchange_status(group, c_total, False, device)
     return reduce_flat(group, sums), c_total
 
 
@@ -238,7 +239,7 @@ class ShardedDPOptimizer:
                                     [], [], False, "raise", eng.backend)  # fmt: skip
             return [s.to(state_dtype(p)) for s, p in zip(sums, self.params, strict=True)], 0.0
 
-        sums, _ = clip_then_reduce(self.group, clip)
+        sums, _ = clip_then_reduce(self.group, clip, self.params[0].device)
         self._step_range(sums)
 
     @torch.no_grad()
