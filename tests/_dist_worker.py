@@ -47,7 +47,7 @@ CONFIGS = {
     ),
     "fresh_seed": (DPSGD, dict(lr=0.1), 1),  # no seed: every rank must use rank 0's fresh one
 }
-SHARDED = ("sgd", "adam", "adam_bc")
+SHARDED = ("sgd", "adam", "adam_bc", "secure")  # secure: ChaCha20 noise drawn at the range's offset
 
 
 def make(name: str, params, distributed=False, sharded: bool = False):
