@@ -146,6 +146,13 @@ def run(rank: int, world: int, out_dir: str) -> None:
         out["nonfinite"] = f"{type(e).__name__}: {e}"
     out["nonfinite_unchanged"] = all(torch.equal(a, b) for a, b in zip(params, initial_params(), strict=True))
     out["nonfinite_steps"] = opt.steps_taken
+    # Ranks built with different keys: every rank raises (a secret key is compared by its hash only).
+    for name, kw in (("seed", dict(seed=rank)), ("secure_key", dict(rng="chacha20", secure_key=KEY + rank))):
+        try:
+            DPSGD(initial_params(), lr=0.1, distributed=True, **PRIVACY, **kw)
+            out[f"mismatch/{name}"] = "built"
+        except ValueError as e:
+            out[f"mismatch/{name}"] = str(e)
     if world == 2:
         out["opacus"] = opacus_run()
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -123,6 +123,16 @@ def test_clip_failure_on_one_rank_stops_every_rank(ranks):
             assert res["nonfinite"].startswith("RuntimeError") and "clip raised on 1 other rank" in res["nonfinite"]
 
 
+def test_ranks_with_different_keys_all_raise(ranks):
+    world, results = ranks
+    if world == 1:
+        pytest.skip("one rank")
+    for res in results:
+        assert "seed differs across ranks" in res["mismatch/seed"]
+        msg = res["mismatch/secure_key"]
+        assert "secure_key differs across ranks (values not shown)" in msg and str(w.KEY) not in msg
+
+
 def test_make_private_data_parallel(ranks):
     """``make_private(algorithm="dpsgd")`` on Opacus's DPDDP module, 2 ranks with their own Poisson
     batches: the engine's B is the global E = 8, both ranks end equal, and equal (fp32 rounding) to one

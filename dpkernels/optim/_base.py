@@ -265,8 +265,8 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, value, fresh in (("seed", self.seed, args.seed is None and args.correlated_noise is None),
                                    ("secure_key", self.secure_key, args.secure_key is None)):  # fmt: skip
             (drawn if fresh else given)[name] = value
-        agreed = _distributed.agree(self.process_group, given, drawn)
-        self.seed, self.secure_key = agreed["seed"], agreed["secure_key"]
+        for name, value in _distributed.agree(self.process_group, given, drawn).items():
+            setattr(self, name, value)
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the parameters checked (and their state

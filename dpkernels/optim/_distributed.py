@@ -25,6 +25,7 @@ all-gather, which can still fail after the shard was updated; restart such a run
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -51,19 +52,27 @@ def process_group(distributed):
     return distributed
 
 
+#: compared across ranks by their SHA-256 only: a given ChaCha20 key never leaves its rank
+_SECRET = ("secure_key",)
+
+
 def agree(group, given: dict, drawn: dict) -> dict:
-    """The values every rank uses: ``given`` ones must be equal on every rank; ``drawn`` ones (fresh
-    per rank, e.g. a seed nobody passed) are rank 0's. Raises the same ``ValueError`` on every rank."""
+    """Rank 0's ``drawn`` values (fresh per rank, e.g. a seed nobody passed), after checking that the
+    ``given`` ones are equal on every rank; raises the same ``ValueError`` on every rank otherwise.
+    A drawn ChaCha20 key is sent from rank 0 over the group's transport (gloo: plain TCP); pass the
+    same ``secure_key`` on every rank to keep it off the network."""
+    given = {k: hashlib.sha256(str(v).encode()).hexdigest() if k in _SECRET else v for k, v in given.items()}
     values = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, (given, drawn), group=group)
     for name in given:
         seen = [v[0].get(name) for v in values]
         if any(s != seen[0] for s in seen):
+            shown = "values not shown" if name in _SECRET else seen
             raise ValueError(
-                f"distributed optimizer: {name} differs across ranks ({seen}); every rank must pass the same "
+                f"distributed optimizer: {name} differs across ranks ({shown}); every rank must pass the same "
                 "value (pass no seed to use rank 0's fresh one)"
             )
-    return {**given, **values[0][1]}
+    return values[0][1]
 
 
 _UNCHANGED = "This step changed no parameter or state"
@@ -202,8 +211,7 @@ class ShardedDPOptimizer:
             drawn["seed"] = fresh_seed()
         if kwargs.get("rng") == "chacha20" and "secure_key" not in given:
             drawn["secure_key"] = fresh_key()
-        out = agree(self.group, given, drawn)
-        return {k: out[k] for k in ("seed", "secure_key") if k in out}
+        return agree(self.group, given, drawn)
 
     @property
     def param_groups(self) -> list[dict]:
