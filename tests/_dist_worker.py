@@ -153,6 +153,13 @@ def run(rank: int, world: int, out_dir: str) -> None:
             out[f"mismatch/{name}"] = "built"
         except ValueError as e:
             out[f"mismatch/{name}"] = str(e)
+    # Each rank's sum within fp32, their sum (2e38·world) not for world > 1: every rank raises.
+    opt = DPSGD(initial_params(), lr=0.1, distributed=True, **PRIVACY, seed=1)
+    try:
+        opt.step_from_sums([torch.full(s, 2e38) for s in SHAPES], sensitivity=0.5)
+        out["overflow"] = f"stepped {opt.steps_taken}"
+    except ValueError as e:
+        out["overflow"] = f"{e} (steps {opt.steps_taken})"
     if world == 2:
         out["opacus"] = opacus_run()
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -123,6 +123,16 @@ def test_clip_failure_on_one_rank_stops_every_rank(ranks):
             assert res["nonfinite"].startswith("RuntimeError") and "clip raised on 1 other rank" in res["nonfinite"]
 
 
+def test_sum_over_ranks_beyond_fp32_raises_on_every_rank(ranks):
+    world, results = ranks
+    for res in results:
+        if world == 1:
+            assert res["overflow"] == "stepped 1"
+        else:
+            assert "clipped sum over the ranks overflows torch.float32" in res["overflow"], res["overflow"]
+            assert res["overflow"].endswith("(steps 0)")
+
+
 def test_ranks_with_different_keys_all_raise(ranks):
     world, results = ranks
     if world == 1:

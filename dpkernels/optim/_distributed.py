@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..clip import _clipped_sums
+from ..clip import _clipped_sums, _in_range, _overflow_error
 from ..reference.optim import state_dtype
 
 __all__ = ["ShardedDPOptimizer"]
@@ -90,7 +90,9 @@ def _collective(what: str, fn, consequence: str = _UNCHANGED):
 
 
 def reduce_flat(group, tensors: list[Tensor]) -> list[Tensor]:
-    """The all-reduced (summed) ``tensors``, one collective per dtype."""
+    """The all-reduced (summed) ``tensors``, one collective per dtype. Each rank's sum is within its
+    dtype (:func:`dpkernels.clip._pipeline` checks it) but their sum can overflow: every rank sees
+    the same reduced values, so every rank raises the same ``ValueError``."""
     out = list(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
@@ -98,6 +100,8 @@ def reduce_flat(group, tensors: list[Tensor]) -> list[Tensor]:
         _collective("all-reduce of the clipped sums", lambda flat=flat: dist.all_reduce(flat, group=group))
         for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = part.view(tensors[i].shape)
+    if not _in_range(out):
+        raise _overflow_error(out, "clipped sum over the ranks", "each rank's sum is within range", "lower C or B")
     return out
 
 
