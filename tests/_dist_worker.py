@@ -153,6 +153,12 @@ def run(rank: int, world: int, out_dir: str) -> None:
             out[f"mismatch/{name}"] = "built"
         except ValueError as e:
             out[f"mismatch/{name}"] = str(e)
+    params = initial_params()
+    opt = make("adam", groups(params), True)
+    for t in range(2):
+        set_grads(params, t, 1, sl)
+        opt.step()
+    out["state_dict/adam"] = opt.state_dict()
     # Each rank's sum within fp32, their sum (2e38·world) not for world > 1: every rank raises.
     opt = DPSGD(initial_params(), lr=0.1, distributed=True, **PRIVACY, seed=1)
     try:

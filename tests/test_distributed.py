@@ -123,6 +123,18 @@ def test_clip_failure_on_one_rank_stops_every_rank(ranks):
             assert res["nonfinite"].startswith("RuntimeError") and "clip raised on 1 other rank" in res["nonfinite"]
 
 
+def test_data_parallel_state_dict_is_the_same_on_every_rank(ranks):
+    """So a checkpoint saved on rank 0 resumes every rank."""
+    world, results = ranks
+    sds = [res["state_dict/adam"] for res in results]
+    assert sds[0]["dp"]["step"] == 2 and sds[0]["state"]
+    for sd in sds[1:]:
+        assert sd["dp"] == sds[0]["dp"] and sd["param_groups"] == sds[0]["param_groups"]
+        for i, st in sds[0]["state"].items():
+            assert st.keys() == sd["state"][i].keys()
+            assert all(torch.equal(v, sd["state"][i][k]) for k, v in st.items())
+
+
 def test_sum_over_ranks_beyond_fp32_raises_on_every_rank(ranks):
     world, results = ranks
     for res in results:
