@@ -1,7 +1,7 @@
 """Static checks of the real GPU code, without a GPU: every Triton kernel compiles ahead of time
 for sm_80/sm_90 with 128-bit loads in the streaming kernels and no local memory, and the CUDA
-sources compile for both with zero spills and every required instantiation
-(tools/gpu_static_check.py)."""
+sources compile for both with zero spills and every required instantiation (read from the built
+extension when it is current, compiled otherwise; tools/gpu_static_check.py)."""
 
 import importlib.util
 import shutil
@@ -37,6 +37,37 @@ def test_cuda_sources_compile_without_spills():
     res = tool.check_cuda()
     assert res["status"] == "ok", res
     assert res["sources"], "no CUDA source was compiled"
+
+
+_RES_USAGE = """
+Fatbin elf code:
+================
+arch = sm_90
+identifier = /build/csrc/cuda/noise.cu
+
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _ZN9dpkernels12noise_kernelEv:
+  REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:1024 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _ZN9dpkernels12spill_kernelEv:
+  REG:255 STACK:16 SHARED:0 LOCAL:24 CONSTANT[0]:1024 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_built_extension_resources_flag_local_memory():
+    """The built extension's resource table (cuobjdump -res-usage) is read per source and arch, and a
+    kernel with local memory (spills, a stack frame) fails; no nvcc needed."""
+    tool = _tool()
+    usage = tool.parse_res_usage(_RES_USAGE)
+    fns = usage["/build/csrc/cuda/noise.cu"]
+    assert fns[("_ZN9dpkernels12noise_kernelEv", "sm_90")] == {"registers": 40, "stack": 0, "local": 0}
+    assert fns[("_ZN9dpkernels12spill_kernelEv", "sm_90")] == {"registers": 255, "stack": 16, "local": 24}
+    report = tool._kernel_report("csrc/cuda/noise.cu", fns, None, (90,))
+    assert not report["ok"] and len(report["problems"]) == 2
+    assert all("spill_kernel" in p for p in report["problems"]), report["problems"]
+    clean = {k: v for k, v in fns.items() if "noise" in k[0]}
+    assert tool._kernel_report("csrc/cuda/noise.cu", clean, None, (90,))["ok"]
 
 
 def test_required_cuda_kernels_are_counted():

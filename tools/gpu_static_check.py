@@ -30,11 +30,15 @@ Compiles the real GPU code ahead of time and inspects what the compilers produce
    ``nvcc``, is reported as skipped. Without nvcc too, a ``blockIdx``/``blockDim``/``gridDim``
    component multiplied in 32 bits anywhere in csrc/cuda fails the check (:func:`grid_index_problems`).
    Device code only (``-fatbin``) by default; ``--host`` compiles the host side too (``-c``,
-   about twice as slow, since the torch headers then go through g++ as well).
+   about twice as slow, since the torch headers then go through g++ as well). When the built
+   extension (``dpkernels/_C*.so``) is newer than every CUDA source and header and holds every
+   source for every arch, its machine code is read instead (``cuobjdump -res-usage``: registers,
+   stack and local memory, where spills go; ``-sass`` for the wide loads): seconds instead of the
+   minutes of compiling again what the build just compiled. ``--compile`` compiles regardless.
 
 Usage::
 
-    python tools/gpu_static_check.py [--json PATH] [--arch 80 90] [--skip-triton] [--skip-cuda] [--host]
+    python tools/gpu_static_check.py [--json PATH] [--arch 80 90] [--skip-triton] [--skip-cuda] [--host] [--compile]
 
 Exit status 0 when every check passes. Importable: :func:`check_triton`, :func:`check_cuda` and
 :func:`run_all` return plain dicts (the JSON written by ``--json``).
@@ -657,24 +661,46 @@ def _cuobjdump() -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def sass_wide_loads(fatbin: Path) -> dict[tuple[str, str], int] | None:
-    """``{(mangled name, "sm_XX"): number of 128-bit global loads}`` from the fatbin's SASS, or None
-    without a cuobjdump."""
+def sass_wide_loads(binary: Path) -> dict[str, dict[tuple[str, str], int]] | None:
+    """``{source: {(mangled name, "sm_XX"): number of 128-bit global loads}}`` from the SASS of a
+    fatbin or of an extension module (``source`` is each cubin's ``identifier``, the ``.cu`` path it
+    was compiled from); None without a cuobjdump."""
     tool = _cuobjdump()
     if tool is None:
         return None
-    res = subprocess.run([tool, "-sass", str(fatbin)], capture_output=True, text=True)
-    counts: dict[tuple[str, str], int] = {}
-    arch, fn = "", None
+    res = subprocess.run([tool, "-sass", str(binary)], capture_output=True, text=True)
+    counts: dict[str, dict[tuple[str, str], int]] = {}
+    source, arch, fn = "", "", None
     for line in res.stdout.splitlines():
-        if m := re.search(r"code for (sm_\d+)", line):
+        if m := re.search(r"identifier = (\S+)", line):
+            source, fn = m.group(1), None
+        elif m := re.search(r"code for (sm_\d+)", line):
             arch = m.group(1)
         elif m := re.search(r"Function : (\S+)", line):
             fn = m.group(1)
-            counts[(fn, arch)] = 0
+            counts.setdefault(source, {})[(fn, arch)] = 0
         elif fn is not None and _SASS_LDG_128_RE.search(line):
-            counts[(fn, arch)] += 1
+            counts[source][(fn, arch)] += 1
     return counts
+
+
+def parse_res_usage(text: str) -> dict[str, dict[tuple[str, str], dict]]:
+    """``{source: {(mangled name, "sm_XX"): {registers, stack, local}}}`` from ``cuobjdump
+    -res-usage`` of an extension module (``source``: each cubin's ``identifier``)."""
+    out: dict[str, dict[tuple[str, str], dict]] = {}
+    source, arch, fn = "", "", None
+    for line in text.splitlines():
+        if m := re.search(r"identifier = (\S+)", line):
+            source = m.group(1)
+        elif m := re.search(r"arch = (sm_\d+)", line):
+            arch = m.group(1)
+        elif m := re.search(r"Function (\S+):$", line.strip()):
+            fn = m.group(1)
+        elif fn is not None and (m := re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", line)):
+            res = {"registers": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(3))}
+            out.setdefault(source, {})[(fn, arch)] = res
+            fn = None
+    return out
 
 
 def wide_load_problems(source: str, kernels: list[dict]) -> list[str]:
@@ -690,6 +716,45 @@ def wide_load_problems(source: str, kernels: list[dict]) -> list[str]:
             for k in matching if k.get("ldg_128") == 0]  # fmt: skip
 
 
+def _built_extension(sources: list[Path], archs) -> Path | None:
+    """``dpkernels/_C*.so`` when it was built from the current ``sources`` (newer than each of them
+    and of every header under csrc/) with SASS of every source for every arch; else None."""
+    tool = _cuobjdump()
+    built = sorted((ROOT / "dpkernels").glob("_C*.so"))
+    if tool is None or len(built) != 1:
+        return None
+    newest = max(f.stat().st_mtime for f in [*sources, *(ROOT / "csrc").rglob("*.h*"), ROOT / "tools/build_config.py"])
+    if built[0].stat().st_mtime < newest:
+        return None
+    listing = subprocess.run([tool, "-lelf", str(built[0])], capture_output=True, text=True).stdout
+    have = set(re.findall(r"\.(sm_\d+)\.cubin", listing))
+    return built[0] if {f"sm_{a}" for a in archs} <= have else None
+
+
+def _inspect_built(binary: Path, sources: list[Path], archs) -> list[dict]:
+    """:func:`_compile_cu`'s records for ``sources``, from the resource table and SASS of ``binary``."""
+    t0 = time.perf_counter()
+    usage = parse_res_usage(
+        subprocess.run([_cuobjdump(), "-res-usage", str(binary)], capture_output=True, text=True).stdout
+    )
+    wide = sass_wide_loads(binary) or {}
+    by_name = {Path(ident).name: ident for ident in usage}  # identifiers are the build's own paths
+    recs = []
+    for source in sources:
+        rel = str(source.relative_to(ROOT))
+        ident = by_name.get(source.name)
+        parsed = {k: v for k, v in usage.get(ident, {}).items() if k[1] in {f"sm_{a}" for a in archs}}
+        rec = {"source": rel, "compile_s": round(time.perf_counter() - t0, 1), "command": f"cuobjdump {binary.name}"}
+        if not parsed:
+            rec.update(ok=False, kernels=[], problems=[f"no machine code of {rel} in {binary.name}"])
+        else:
+            rec.update(
+                _kernel_report(rel, parsed, wide.get(ident, {}) if rel in REQUIRED_CUDA_WIDE_LOADS else None, archs)
+            )
+        recs.append(rec)
+    return recs
+
+
 def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
     t0 = time.perf_counter()
     out = workdir / (source.stem + (".o" if host else ".fatbin"))
@@ -702,7 +767,16 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
         errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
         rec.update(ok=False, kernels=[], problems=["nvcc failed: " + "\n".join(errors[:20] or [log[-3000:]])])
         return rec
-    parsed = parse_ptxas_log(log)
+    found = sass_wide_loads(out) if rec["source"] in REQUIRED_CUDA_WIDE_LOADS else None
+    wide = None if found is None else next(iter(found.values()), {})  # a fatbin of one source
+    rec.update(_kernel_report(rec["source"], parse_ptxas_log(log), wide, archs))
+    return rec
+
+
+def _kernel_report(source: str, parsed: dict, wide: dict | None, archs) -> dict:
+    """``{"ok", "kernels", "problems"}`` of one source from its per-function resources (``parsed``:
+    :func:`parse_ptxas_log`'s, or :func:`parse_res_usage`'s with ``local`` bytes) and its SASS's
+    128-bit load counts (``wide``, None without cuobjdump)."""
     names = _demangle(sorted({fn for fn, _ in parsed}))
     kernels, problems = [], []
     for (fn, arch), r in sorted(parsed.items(), key=lambda kv: (names[kv[0][0]], kv[0][1])):
@@ -714,17 +788,16 @@ def _compile_cu(source: Path, archs, workdir: Path, host: bool) -> dict:
             # A stack frame is local memory: e.g. sinf/cosf's Payne-Hanek slow path, which the shared
             # sincos_2pi of philox.h avoids.
             problems.append(f"{names[fn]} ({arch}) has a {r['stack']} B stack frame (local memory)")
+        if r.get("local", 0):  # the built code's resource table: spills and stack frames live there
+            problems.append(f"{names[fn]} ({arch}) uses {r['local']} B of local memory (spills or a stack frame)")
+        if wide is not None and (fn, arch) in wide:
+            k["ldg_128"] = wide[(fn, arch)]
         kernels.append(k)
-    wide = sass_wide_loads(out) if rec["source"] in REQUIRED_CUDA_WIDE_LOADS else None
-    for k in kernels:
-        if wide is not None and (k["mangled"], k["arch"]) in wide:
-            k["ldg_128"] = wide[(k["mangled"], k["arch"])]
     if shutil.which("c++filt"):  # the required names are demangled ones
-        problems += required_kernel_problems(rec["source"], kernels, archs)
+        problems += required_kernel_problems(source, kernels, archs)
         if wide is not None:
-            problems += wide_load_problems(rec["source"], kernels)
-    rec.update(ok=not problems, kernels=kernels, problems=problems)
-    return rec
+            problems += wide_load_problems(source, kernels)
+    return {"ok": not problems, "kernels": kernels, "problems": problems}
 
 
 # A grid coordinate or size (up to 2^31 - 1 blocks along x) as an operand of a product: in 32 bits
@@ -754,9 +827,12 @@ def _cuda_texts(sources: list[Path]) -> dict[str, str]:
     return {str(f.relative_to(ROOT)): f.read_text() for f in sorted(files)}
 
 
-def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
-    """Compile ``csrc/cuda/*.cu`` for ``archs``; ``{"status", "sources", "grid_index", "elapsed_s"}``.
+def check_cuda(archs=DEFAULT_ARCHS, host: bool = False, compile: bool = False) -> dict:
+    """Check ``csrc/cuda/*.cu`` for ``archs``; ``{"status", "mode", "sources", "grid_index", "elapsed_s"}``.
 
+    The machine code of the built extension (``dpkernels/_C*.so``) is read when it is newer than
+    every CUDA source and header and holds each source for each of ``archs`` (seconds: the build
+    already ran ptxas); otherwise, or with ``compile``, each source is compiled here (minutes).
     ``host``: full ``-c`` compile (host code too) instead of the device-only default. ``grid_index``:
     :func:`grid_index_problems` of the sources and headers, checked with or without nvcc.
     """
@@ -765,13 +841,20 @@ def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
     if not sources:
         return {"status": "skipped", "reason": "no csrc/cuda/*.cu files", "sources": [], "elapsed_s": 0.0}
     grid = grid_index_problems(_cuda_texts(sources))
+    built = None if compile else _built_extension(sources, archs)
+    if built is not None:
+        recs = _inspect_built(built, sources, archs)
+        status = "ok" if all(r["ok"] for r in recs) and not grid else "failed"
+        mode = f"the built {built.name}, cuobjdump -res-usage"
+        return {"status": status, "mode": mode, "sources": recs, "grid_index": grid,
+                "elapsed_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     if shutil.which("nvcc") is None:
         status = "failed" if grid else "skipped"
         return {"status": status, "reason": "nvcc is not on PATH", "sources": [], "grid_index": grid, "elapsed_s": 0.0}
     with tempfile.TemporaryDirectory(prefix="dpk_nvcc_") as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         recs = list(pool.map(lambda s: _compile_cu(s, archs, Path(tmp), host), sources))
     status = "ok" if all(r["ok"] for r in recs) and not grid else "failed"
-    mode = "nvcc -c" if host else "nvcc -fatbin, device code only"
+    mode = f"{'nvcc -c' if host else 'nvcc -fatbin, device code only'}; ptxas -v"
     elapsed = round(time.perf_counter() - t0, 1)
     return {"status": status, "mode": mode, "sources": recs, "grid_index": grid, "elapsed_s": elapsed}
 
@@ -781,14 +864,16 @@ def check_cuda(archs=DEFAULT_ARCHS, host: bool = False) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_all(archs=DEFAULT_ARCHS, triton: bool = True, cuda: bool = True, host: bool = False) -> dict:
+def run_all(
+    archs=DEFAULT_ARCHS, triton: bool = True, cuda: bool = True, host: bool = False, compile: bool = False
+) -> dict:
     """Both checks; ``ok`` is False when either failed (skipped counts as passed)."""
     t0 = time.perf_counter()
     out = {"archs": [f"sm_{a}" for a in archs]}
     # The Triton worker is a separate process, so it overlaps with nvcc.
     with ThreadPoolExecutor(max_workers=2) as pool:
         fut_t = pool.submit(check_triton, archs) if triton else None
-        fut_c = pool.submit(check_cuda, archs, host) if cuda else None
+        fut_c = pool.submit(check_cuda, archs, host, compile or host) if cuda else None
         out["triton"] = fut_t.result() if fut_t else {"status": "skipped", "reason": "--skip-triton"}
         out["cuda"] = fut_c.result() if fut_c else {"status": "skipped", "reason": "--skip-cuda"}
     out["ok"] = all(out[k]["status"] != "failed" for k in ("triton", "cuda"))
@@ -826,7 +911,7 @@ def format_report(res: dict) -> str:
     cu = res["cuda"]
     parts.append("")
     mode = cu.get("mode", "nvcc")
-    parts.append(f"== CUDA C++ ({mode}; ptxas -v) [{cu['status']}, {cu.get('elapsed_s', 0)} s]")
+    parts.append(f"== CUDA C++ ({mode}) [{cu['status']}, {cu.get('elapsed_s', 0)} s]")
     if cu.get("reason"):
         parts.append(f"   {cu['reason']}")
     for p in cu.get("grid_index", []):
@@ -837,9 +922,10 @@ def format_report(res: dict) -> str:
         for k in src["kernels"]:
             name = k["kernel"] if len(k["kernel"]) <= 70 else k["kernel"][:67] + "..."
             spill = f"{k.get('spill_stores', '?')}/{k.get('spill_loads', '?')}"
-            rows.append([name, k["arch"], k.get("registers", "-"), spill, k.get("stack", "?"), k.get("ldg_128", "")])
+            rows.append([name, k["arch"], k.get("registers", "-"), spill, k.get("stack", "?"), k.get("local", "?"),
+                         k.get("ldg_128", "")])  # fmt: skip
         if rows:
-            parts.append(_table(rows, ["kernel", "arch", "regs", "spill st/ld B", "stack B", "LDG.128"]))
+            parts.append(_table(rows, ["kernel", "arch", "regs", "spill st/ld B", "stack B", "local B", "LDG.128"]))
         for p in src["problems"]:
             parts.append(f"   FAIL: {p}")
     parts.append("")
@@ -854,12 +940,15 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--skip-cuda", action="store_true")
     ap.add_argument("--host", action="store_true", help="nvcc -c (host code too) instead of device-only -fatbin")
+    ap.add_argument(
+        "--compile", action="store_true", help="compile the CUDA sources even when the built extension is current"
+    )
     ap.add_argument("--triton-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.triton_worker:
         print(json.dumps(_triton_worker(args.arch)))
         return 0
-    res = run_all(args.arch, triton=not args.skip_triton, cuda=not args.skip_cuda, host=args.host)
+    res = run_all(args.arch, triton=not args.skip_triton, cuda=not args.skip_cuda, host=args.host, compile=args.compile)
     print(format_report(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
