@@ -85,9 +85,10 @@ def pytest_runtest_logreport(report):
     _report_lines.write(json.dumps(line) + "\n")
 
 
-def _other_backend(item) -> bool:
-    """True when the test runs only another backend (a parameter names it) or is marked so."""
-    if item.get_closest_marker("no_cpu_kernels"):
+def _left_out_of_reruns(item) -> bool:
+    """True when the test runs only another backend (a parameter names it), or is marked
+    ``no_cpu_kernels`` or ``one_cpu_path``."""
+    if item.get_closest_marker("no_cpu_kernels") or item.get_closest_marker("one_cpu_path"):
         return True
     params = getattr(item, "callspec", None)
     params = params.params if params else {}
@@ -98,10 +99,10 @@ def _other_backend(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--cpu-kernels-only"):
         return
-    dropped = [item for item in items if _other_backend(item)]
+    dropped = [item for item in items if _left_out_of_reruns(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if not _other_backend(item)]
+        items[:] = [item for item in items if not _left_out_of_reruns(item)]
 
 
 _POISONED = ("empty", "empty_like")

@@ -16,6 +16,9 @@ from dpkernels import cli
 from dpkernels.bench import _timing, train_step
 from dpkernels.bench._timing import BenchConfig, Provider
 
+# Processes, checkpoints or the CLI above the kernels: the best CPU path is enough (conftest.py).
+pytestmark = pytest.mark.one_cpu_path
+
 
 def _fake_peak_memory(m, names, device="cpu", threads=0, timeout=0.0):
     """Stands in for the per-provider processes of the train section (tested on their own below)."""

@@ -88,6 +88,7 @@ def _probe(capability: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.one_cpu_path
 def test_noise_bits_identical_on_every_path():
     runs = {cap: _probe(cap) for cap in _backend.runnable_cpu_capabilities()}
     assert all(r.pop("capability") == cap for cap, r in runs.items())

@@ -17,6 +17,9 @@ import _dist_worker as w  # noqa: E402
 
 from dpkernels.optim import DPSGD, ShardedDPOptimizer  # noqa: E402
 
+# Processes, checkpoints or the CLI above the kernels: the best CPU path is enough (conftest.py).
+pytestmark = pytest.mark.one_cpu_path
+
 WORKER = Path(__file__).with_name("_dist_worker.py")
 
 

@@ -257,6 +257,7 @@ def test_accelerate_ddp_world1(clipping, monkeypatch, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.one_cpu_path
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "ghost"])
 def test_accelerate_ddp_two_ranks(clipping, tmp_path):
     """Two gloo ranks, each with its own data: every rank's parameters after 10 accelerated steps equal

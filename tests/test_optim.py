@@ -121,7 +121,9 @@ def _run_pair(config: str, backend: str, device: str, dtype, noise_kind: str = "
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_follows_reference(backend_device, config, dtype):
     backend, device = backend_device
-    _run_pair(config, backend, device, dtype)
+    # The Triton interpreter takes ~0.7 ms per program instance: 11 steps there still cover two DP²
+    # cycles (s1 + s2 = 5) and PMLF's k = 3 history.
+    _run_pair(config, backend, device, dtype, steps=11 if (backend, device) == ("triton", "cpu") else STEPS)
 
 
 @pytest.mark.parametrize("noise_kind", ["blt", "banded"])

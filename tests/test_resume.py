@@ -36,6 +36,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpkernels
 import dpkernels.optim as optim
 
+# Processes, checkpoints or the CLI above the kernels: the best CPU path is enough (conftest.py).
+pytestmark = pytest.mark.one_cpu_path
+
 SAVE, END = 2, 5
 #: the resuming process's constructor seed: the checkpoint's must replace it
 OTHER_SEED = 777
