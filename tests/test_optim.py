@@ -190,6 +190,23 @@ def test_chacha20_noise_matches_reference(backend_device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_chacha20_noise_is_rounded_once(backend_device):
+    """Secure mode: the noise a step adds is ``σ·C·z`` formed in float64 and rounded once to fp32,
+    ``gaussian_noise(std=σ·C, rng="chacha20")`` bit for bit (read off a zero-gradient DP-SGD step
+    from zero parameters, lr = 1, B = 1: ``p = 0 − (0 + ν)``, exact)."""
+    backend, device = backend_device
+    key, sigma = 2**255 + 99, 0.7
+    params = [torch.zeros(s, device=device) for s in SHAPES]
+    opt = fused.DPSGD(params, lr=1.0, noise_multiplier=sigma, max_grad_norm=1.3, expected_batch_size=1,
+                      rng="chacha20", secure_key=key, backend=backend)  # fmt: skip
+    for p in params:
+        p.grad_sample = torch.zeros((1, *p.shape), device=device)
+    opt.step()
+    got = torch.cat([-p.flatten() for p in params])
+    want = dpkernels.gaussian_noise(got.numel(), std=sigma * 1.3, seed=key, step=1, rng="chacha20", device=device)
+    assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------------------------
 # The native family ops themselves (cpu/cuda backends)
 # --------------------------------------------------------------------------------------------

@@ -687,14 +687,14 @@ class DPOptimizer(torch.optim.Optimizer):
         return list(noise)
 
     def _secure_noise(self, params, t, delta) -> list[Tensor]:
-        """``σ·Δ·z`` from the secure generator, pre-drawn (not fused: the secure mode is for when the
-        noise's provenance matters more than its speed)."""
+        """``σ·Δ·z`` from the secure generator, formed in float64 and rounded once to fp32 (docs/RNG.md
+        §6.3), pre-drawn (not fused: the secure mode is for when the noise's provenance matters
+        more than its speed)."""
         total = sum(p.numel() for p in params)
-        z = gaussian_noise(total, std=1.0, seed=self.secure_key, step=t, offset=self._noise_offset, rng=self.rng,
-                           device=params[0].device)  # fmt: skip
-        std = self.noise_multiplier * delta
-        parts = torch.split(z, [p.numel() for p in params])
-        return [std * part.view(p.shape) for part, p in zip(parts, params, strict=True)]
+        nu = gaussian_noise(total, std=self.noise_multiplier * delta, seed=self.secure_key, step=t,
+                            offset=self._noise_offset, rng=self.rng, device=params[0].device)  # fmt: skip
+        parts = torch.split(nu, [p.numel() for p in params])
+        return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
 
     # ----------------------------------------------------------------------------------------
     # Stage 1: the clipped sum on the backend
