@@ -722,7 +722,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
                 norm_scale=norm_scale,
             )  # fmt: skip
-        return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0].sum().item()
+        # The total stays on the device: only DP-MacAdam reads it, so only it waits for it.
+        return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0].sum()
 
     # ----------------------------------------------------------------------------------------
     # Stage 2: one family op per parameter group

@@ -105,10 +105,10 @@ def reduce_flat(group, tensors: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def _exchange_status(group, c_total: float, failed: bool, device) -> float:
+def _exchange_status(group, c_total, failed: bool, device) -> float:
     """``Σ_r c_r`` over the ranks; raises on a rank whose clip passed when another rank's raised.
     ``device``: the parameters' (NCCL reduces GPU tensors only)."""
-    meta = torch.tensor([c_total, float(failed)], dtype=torch.float64, device=device)
+    meta = torch.tensor([float(c_total), float(failed)], dtype=torch.float64, device=device)
     _collective("all-reduce of the clip status", lambda: dist.all_reduce(meta, group=group))
     if meta[1] > 0 and not failed:
         raise RuntimeError(

@@ -92,6 +92,7 @@ class DPMacAdam(DPOptimizer):
             grad_sets, C, shift=[self.state[p]["shift"] for p in params],
             scale=[self.state[p]["inv_b_unnorm"] for p in params], norm_scale=1.0 / self.bscale,
         )  # fmt: skip
+        c_total = float(c_total)
         bc = 0 if not self.bias_correction else (1 if self.bc_scale == "paper" else 2)
         kappas = {id(g): macadam_kappa(t, g["betas"][0]) for g in self.param_groups}
 
