@@ -87,6 +87,19 @@ def _build_ext(cpp_extension):
     compile the same sources with different flags, whose objects must not share a path."""
 
     class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        def build_extensions(self):
+            # Some Pythons (Debian/Ubuntu) link extensions with -Bsymbolic-functions. A compiler
+            # whose libstdc++ is linked in statically (the GPU machine's /opt/gcc GCC 13) then
+            # binds the copy's functions inside our module but its data (locale facet ids) to the
+            # process's libstdc++.so: the first message an error formats with an ostream called
+            # the wrong facet and died with SIGSEGV (docs/BENCHMARKS.md, "GPU check"). Without the
+            # flag both bind to the one libstdc++ the process already has.
+            for attr in ("linker_so", "linker_so_cxx"):
+                cmd = getattr(self.compiler, attr, None)
+                if cmd:
+                    setattr(self.compiler, attr, [a for a in cmd if a != "-Wl,-Bsymbolic-functions"])
+            super().build_extensions()
+
         def build_extension(self, ext):
             shared = self.build_temp
             self.build_temp = os.path.join(shared, ext.name)

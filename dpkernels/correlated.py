@@ -127,6 +127,8 @@ class _StreamingNoise:
         return step
 
     def _ensure_buffers(self, shapes: list[torch.Size], device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current GPU: compare indices
+            device = torch.device("cuda", torch.cuda.current_device())
         if self._buffers is None:
             self._buffers = [
                 [torch.zeros(s, dtype=torch.float32, device=device) for s in shapes] for _ in range(self._num_buffers)

@@ -15,6 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests compare CUDA results with fp32 references: no TF32 in torch's own matmuls and convolutions.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 os.environ.setdefault("DPKERNELS_POISON_OUTPUTS", "1")
 
 import pytest  # noqa: E402

@@ -59,7 +59,7 @@ class Transformer(nn.Module):
         self.head = nn.Linear(d, classes)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1])[None].expand_as(ids)  # non-contiguous position ids
+        pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)  # non-contiguous position ids
         x = self.tok(ids) + self.pos(pos)
         x = x + self.att(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
@@ -130,9 +130,14 @@ MODELS = {
 }
 
 
-def _build(name, seed=0):
+def _build(name, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return MODELS[name][0]()
+    return MODELS[name][0]().to(device)
+
+
+def _batch(name, B, device):
+    """Inputs and labels of model ``name``, batch size ``B``, on ``device``."""
+    return MODELS[name][1](B).to(device), torch.randint(0, 3, (B,), device=device)
 
 
 def _loss(out, y, reduction="mean"):
@@ -164,11 +169,11 @@ def _close_sums(got, want, rtol=1e-4):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_matches_clip_and_accumulate_on_opacus_grad_samples(backend_device, name):
-    backend, _ = backend_device
-    if backend == "triton" and name == "transformer":
+    backend, dev = backend_device
+    if backend == "triton" and dev == "cpu" and name == "transformer":
         pytest.skip("interpreter: the tiled kernel over B x tiles x T-chunks is covered by the layer tests")
-    model = _build(name)
-    x, y = MODELS[name][1](6), torch.randint(0, 3, (6,))
+    model = _build(name, device=dev)
+    x, y = _batch(name, 6, dev)
     gs = _opacus_grad_samples(model, x, y)
     want_s, want_n = dpkernels.clip_and_accumulate(gs, 0.5, backend="reference")
     bk = _bk_run(model, [(x, y)])
@@ -182,9 +187,9 @@ def test_matches_clip_and_accumulate_on_opacus_grad_samples(backend_device, name
 @pytest.mark.parametrize("name", ["mlp", "cnn", "embed-ln", "fallback"])
 @pytest.mark.parametrize("mode", ["clip", "psac"])
 def test_shift_scale_and_per_layer(backend_device, name, mode):
-    backend, _ = backend_device
-    model = _build(name)
-    x, y = MODELS[name][1](5), torch.randint(0, 3, (5,))
+    backend, dev = backend_device
+    model = _build(name, device=dev)
+    x, y = _batch(name, 5, dev)
     gs = _opacus_grad_samples(model, x, y)
     params = list(model.parameters())
     shift = [0.05 * torch.randn_like(p) for p in params]
@@ -211,7 +216,7 @@ class Strided(nn.Module):
     def forward(self, x):
         h = self.gn(self.conv(x.contiguous(memory_format=torch.channels_last))).mean(1)  # [B, 5, 5]
         h = self.ln(self.lin(h.transpose(1, 2))[:, ::2])  # [B, 3, 6]
-        pos = torch.arange(3)[None].expand(x.shape[0], 3)
+        pos = torch.arange(3, device=x.device)[None].expand(x.shape[0], 3)
         return self.head(self.rms(h + self.pos(pos)).mean(1))
 
 
@@ -224,10 +229,10 @@ def _loop_grad_samples(model, x, y):
 
 
 def test_non_contiguous_inputs_against_per_sample_autograd(backend_device):
-    backend, _ = backend_device
+    backend, dev = backend_device
     torch.manual_seed(0)
-    model = Strided()
-    x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 3, (4,))
+    model = Strided().to(dev)
+    x, y = torch.randn(4, 3, 5, 5, device=dev), torch.randint(0, 3, (4,), device=dev)
     want_s, want_n = dpkernels.clip_and_accumulate(_loop_grad_samples(model, x, y), 0.5, backend="reference")
     sums, norms = _bk_run(model, [(x, y)]).clip_and_accumulate(0.5, backend=backend)
     torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)
@@ -236,13 +241,10 @@ def test_non_contiguous_inputs_against_per_sample_autograd(backend_device):
 
 def test_gradient_accumulation_and_sum_reduction(backend_device):
     """Two forward/backward passes before one clip: distinct samples, as Opacus's grad_sample list."""
-    backend, _ = backend_device
+    backend, dev = backend_device
     for reduction in ("mean", "sum"):
-        model = _build("cnn")
-        batches = [
-            (torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))),
-            (torch.randn(3, 3, 8, 8), torch.randint(0, 3, (3,))),
-        ]
+        model = _build("cnn", device=dev)
+        batches = [_batch("cnn", 4, dev), _batch("cnn", 3, dev)]
         per_batch = [_opacus_grad_samples(model, x, y, reduction) for x, y in batches]
         gs = [torch.cat(parts) for parts in zip(*per_batch, strict=True)]
         want_s, want_n = dpkernels.clip_and_accumulate(gs, 1.0, backend="reference")
@@ -256,25 +258,25 @@ def test_gradient_accumulation_and_sum_reduction(backend_device):
 
 
 def test_empty_batch_gives_zero_sums(backend_device):
-    backend, _ = backend_device
-    model = _build("mlp")
-    bk = _bk_run(model, [(torch.randn(0, 10), torch.zeros(0, dtype=torch.long))], "sum")
+    backend, dev = backend_device
+    model = _build("mlp", device=dev)
+    bk = _bk_run(model, [_batch("mlp", 0, dev)], "sum")
     sums, norms = bk.clip_and_accumulate(1.0, backend=backend)
     assert norms.shape == (0,)
     assert all(s.shape == p.shape and not s.any() for s, p in zip(sums, model.parameters(), strict=True))
 
 
 def test_nonfinite_sample_raises_or_is_dropped(backend_device):
-    backend, _ = backend_device
-    model = _build("mlp")
-    x, y = torch.randn(5, 10), torch.randint(0, 3, (5,))
+    backend, dev = backend_device
+    model = _build("mlp", device=dev)
+    x, y = _batch("mlp", 5, dev)
     x[2, 0] = float("nan")
     bk = _bk_run(model, [(x, y)])
     with pytest.raises(ValueError, match=r"non-finite.*\[2\]"):
         bk.clip_and_accumulate(1.0, backend=backend)
     bk = _bk_run(model, [(x, y)])
     sums, norms = bk.clip_and_accumulate(1.0, nonfinite="drop", backend=backend)
-    keep = torch.tensor([0, 1, 3, 4])
+    keep = torch.tensor([0, 1, 3, 4], device=dev)
     want_s, _ = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x[keep], y[keep], "sum"), 1.0,
                                               backend="reference")  # fmt: skip
     # the mean loss of 5 samples scales each G by 5 (Opacus's rule): the per-sample gradients are those of the sum
@@ -283,11 +285,11 @@ def test_nonfinite_sample_raises_or_is_dropped(backend_device):
 
 def test_frozen_weight_trainable_bias(backend_device):
     """A Linear/Conv2d whose weight is frozen still clips its bias (its G is recorded)."""
-    backend, _ = backend_device
-    model = _build("cnn")
+    backend, dev = backend_device
+    model = _build("cnn", device=dev)
     model[0].weight.requires_grad_(False)
     model[5].weight.requires_grad_(False)
-    x, y = MODELS["cnn"][1](4), torch.randint(0, 3, (4,))
+    x, y = _batch("cnn", 4, dev)
     want_s, want_n = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x, y), 0.5, backend="reference")
     sums, norms = _bk_run(model, [(x, y)]).clip_and_accumulate(0.5, backend=backend)
     torch.testing.assert_close(norms, want_n.float(), rtol=1e-4, atol=1e-6)

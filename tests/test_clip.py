@@ -286,22 +286,22 @@ def test_zero_dim_parameters(backend_device):
     def close(got, want):
         for a, b, shape in zip(got, want, shapes, strict=True):
             assert a.shape == shape and torch.isfinite(a).all()
-            torch.testing.assert_close(a.cpu(), b.reshape(shape), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.cpu(), b.cpu().reshape(shape), rtol=1e-5, atol=1e-6)
         assert any(a.abs().sum() > 0 for a in got)
 
     for per_layer in (False, True):
         got = dpkernels.per_sample_norms(g, per_layer=per_layer, backend=backend)
         want = dpkernels.per_sample_norms(rows, per_layer=per_layer, backend="reference")
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=0)
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-6, atol=0)
         C = [0.5, 1.0, 2.0, 0.7] if per_layer else 0.9
         sums, norms = dpkernels.clip_and_accumulate(g, C, per_layer=per_layer, backend=backend)
         want_sums, want_norms = dpkernels.clip_and_accumulate(rows, C, per_layer=per_layer, backend="reference")
         close(sums, want_sums)
-        torch.testing.assert_close(norms.cpu(), want_norms, rtol=2e-6, atol=0)
+        torch.testing.assert_close(norms.cpu(), want_norms.cpu(), rtol=2e-6, atol=0)
     sums, _ = dpkernels.clip_and_accumulate([g, g2], 0.9, coeffs=[0.7, 0.3], backend=backend)
     close(sums, dpkernels.clip_and_accumulate([rows, rows2], 0.9, coeffs=[0.7, 0.3], backend="reference")[0])
     w = torch.rand(B, device=device)
-    close(dpkernels.weighted_sum(g, w, backend=backend), dpkernels.weighted_sum(rows, w.cpu(), backend="reference"))
+    close(dpkernels.weighted_sum(g, w, backend=backend), dpkernels.weighted_sum(rows, w, backend="reference"))
     kw = dict(seed=3, step=1, expected_batch_size=B)
     want = dpkernels.privatize(rows, 0.9, 0.5, backend="reference", **kw)
     close(dpkernels.privatize(g, 0.9, 0.5, backend=backend, **kw), want)

@@ -117,6 +117,17 @@ def gradients(draw, backend, B=None, dtype=None, shapes=None, nonfinite=True):
     return grads, nonfinite_samples(grads)
 
 
+def to_device(ts, device):
+    """``ts`` on ``device`` with their strides kept (``.to`` copies a view into a contiguous tensor,
+    which would leave the strided layouts untested on the GPU)."""
+    out = []
+    for t in ts:
+        storage = t.untyped_storage()
+        flat = t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+        out.append(flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset()))
+    return out
+
+
 def rows(v):
     """``[B, D]`` (explicit D: ``-1`` is ambiguous for ``B = 0``)."""
     return v.reshape(v.shape[0], math.prod(v.shape[1:]))
@@ -124,7 +135,7 @@ def rows(v):
 
 def nonfinite_samples(vecs):
     """Sorted indices of the samples with a NaN/Inf in any of ``vecs`` (``[B, ...]`` each)."""
-    bad = torch.zeros(vecs[0].shape[0], dtype=torch.bool)
+    bad = torch.zeros(vecs[0].shape[0], dtype=torch.bool, device=vecs[0].device)
     for v in vecs:
         bad |= ~torch.isfinite(rows(v)).all(dim=1)
     return torch.nonzero(bad).flatten().tolist()
@@ -266,7 +277,7 @@ def test_clip_and_accumulate(backend_device, data):
     C, mode, r, per_layer, shift_scale = data.draw(clip_args(len(grads)))
     shift, scale = shift_scale([g.shape[1:] for g in grads], device)
     policy = data.draw(st.sampled_from(["raise", "drop"]))
-    grads = [g.to(device) for g in grads]
+    grads = to_device(grads, device)
     before = snapshot(grads)
     # A finite gradient whose scaled vector overflows fp32 is refused (or dropped) too.
     bad = sorted(set(bad) | set(nonfinite_samples(combined(grads, shift, scale))))
@@ -336,7 +347,7 @@ def test_three_stages(backend_device, data):
     grads, bad = data.draw(gradients(backend))
     C, mode, r, per_layer, shift_scale = data.draw(clip_args(len(grads)))
     shift, scale = shift_scale([g.shape[1:] for g in grads], device)
-    grads = [g.to(device) for g in grads]
+    grads = to_device(grads, device)
     before = snapshot(grads)
     bad = sorted(set(bad) | set(nonfinite_samples(combined(grads, shift, scale))))
     event(f"B={grads[0].shape[0]}, {grads[0].dtype}, bad samples: {bool(bad)}")
@@ -345,7 +356,7 @@ def test_three_stages(backend_device, data):
     assert norms.shape == ((B, L) if per_layer else (B,))
     # A finite sample whose norm is beyond fp32 has norm inf: the stages refuse it as a NaN/Inf one.
     vecs = combined(grads, shift, scale)
-    sumsq = torch.stack([v.square().sum(1) for v in vecs], 1) if B else torch.zeros(0, L, dtype=torch.float64)
+    sumsq = torch.stack([v.square().sum(1) for v in vecs], 1) if B else vecs[0].new_zeros(0, L)
     exact = (sumsq if per_layer else sumsq.sum(1)).sqrt().to(norms.dtype)
     big = sorted(set(bad) | set(nonfinite_samples([exact])))
     assert nonfinite_samples([norms]) == big
@@ -401,7 +412,7 @@ def test_privatize_adds_exactly_the_documented_noise(backend_device, data):
     seed = data.draw(st.integers(0, 2 ** (256 if rng == "chacha20" else 64) - 1))
     step, stream = data.draw(st.integers(0, 2**32 - 1)), data.draw(st.integers(0, 3))
     policy = data.draw(st.sampled_from(["raise", "drop"]))
-    grads = [g.to(device) for g in grads]
+    grads = to_device(grads, device)
     before = snapshot(grads)
     B, L = grads[0].shape[0], len(grads)
     bad = sorted(set(bad) | set(nonfinite_samples(combined(grads, None, scale))))
@@ -470,7 +481,7 @@ def test_gaussian_noise_is_the_documented_stream(backend_device, data):
     step, stream = data.draw(st.integers(0, 2**32 - 1)), data.draw(st.integers(0, 2**32 - 1))
     offset = data.draw(st.sampled_from([0, 5, 2**40 + 3]))
     flaw = data.draw(st.sampled_from([None] * 4 + ["strided", "float64", "int"]))
-    ts = [t.to(device) for t in ts]
+    ts = to_device(ts, device)
     if flaw is not None:
         at = data.draw(st.integers(0, n))
         bad = {"strided": torch.zeros(4, 2, device=device)[:, 0], "float64": torch.zeros(3, dtype=torch.float64),
@@ -557,7 +568,7 @@ def test_optimizer_step(backend_device, name, kw, data):
     seed = data.draw(st.integers(0, 2**64 - 1))
     opt = getattr(optim, name)(params, seed=seed, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=ebs,
                                backend=backend, **kw)  # fmt: skip
-    grads = [g.to(device) for g in grads]
+    grads = to_device(grads, device)
     sample = (lambda g: [g, 0.5 * g]) if name == "DPPMLF" else (lambda g: g)  # noqa: E731  (PMLF: k = 2 sets)
     for p, g in zip(params, grads, strict=True):
         p.grad_sample = sample(g)

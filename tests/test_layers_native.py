@@ -177,11 +177,12 @@ def _conv_inputs(shape, dtype, device, scale, shift, seed=0, extra_channels=0):
     gen = torch.Generator().manual_seed(seed)
     Ho, Wo = _conv_out(H, ks[0], st[0], pd[0], dl[0]), _conv_out(W, ks[1], st[1], pd[1], dl[1])
     e = extra_channels
-    x = torch.randn(B, C + 2 * e, H, W, generator=gen).to(dtype)[:, e : e + C]
-    g = torch.randn(B, C_out + 2 * e, Ho, Wo, generator=gen).to(dtype)[:, e : e + C_out]
+    # moved before slicing: .to(device) of a slice copies it into a contiguous tensor
+    x = _to(torch.randn(B, C + 2 * e, H, W, generator=gen).to(dtype), device)[:, e : e + C]
+    g = _to(torch.randn(B, C_out + 2 * e, Ho, Wo, generator=gen).to(dtype), device)[:, e : e + C_out]
     sc = torch.rand(C_out, C * ks[0] * ks[1], generator=gen) + 0.5 if scale else None
     sh = 0.3 * torch.randn(C_out, C * ks[0] * ks[1], generator=gen) if shift else None
-    return _to(x, device), _to(g, device), _to(sc, device), _to(sh, device)
+    return x, g, _to(sc, device), _to(sh, device)
 
 
 def _conv_op(x, g, shape, sc=None, sh=None):
