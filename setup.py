@@ -66,7 +66,7 @@ def _extensions():
         sources,
         include_dirs=include_dirs,
         extra_compile_args=extra,
-        extra_link_args=list(cfg.LINK_FLAGS),
+        extra_link_args=[*cfg.LINK_FLAGS, *cfg.runtime_libstdcxx()],
         define_macros=define_macros,
     )
     cpu = [
@@ -75,31 +75,18 @@ def _extensions():
             cfg.cpu_kernel_sources(ROOT),
             include_dirs=cfg.include_dirs(ROOT),
             extra_compile_args={"cxx": cfg.cxx_flags(capability)},
-            extra_link_args=list(cfg.LINK_FLAGS),
+            extra_link_args=[*cfg.LINK_FLAGS, *cfg.runtime_libstdcxx()],
         )
         for capability in cfg.CPU_CAPABILITIES
     ]
-    return [core, *cpu], {"build_ext": _build_ext(cpp_extension)}
+    return [core, *cpu], {"build_ext": _build_ext(cpp_extension, cfg)}
 
 
-def _build_ext(cpp_extension):
+def _build_ext(cpp_extension, cfg):
     """torch's BuildExtension (ninja) with a temporary folder per extension: the CPU kernel modules
     compile the same sources with different flags, whose objects must not share a path."""
 
     class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-        def build_extensions(self):
-            # Some Pythons (Debian/Ubuntu) link extensions with -Bsymbolic-functions. A compiler
-            # whose libstdc++ is linked in statically (the GPU machine's /opt/gcc GCC 13) then
-            # binds the copy's functions inside our module but its data (locale facet ids) to the
-            # process's libstdc++.so: the first message an error formats with an ostream called
-            # the wrong facet and died with SIGSEGV (docs/BENCHMARKS.md, "GPU check"). Without the
-            # flag both bind to the one libstdc++ the process already has.
-            for attr in ("linker_so", "linker_so_cxx"):
-                cmd = getattr(self.compiler, attr, None)
-                if cmd:
-                    setattr(self.compiler, attr, [a for a in cmd if a != "-Wl,-Bsymbolic-functions"])
-            super().build_extensions()
-
         def build_extension(self, ext):
             shared = self.build_temp
             self.build_temp = os.path.join(shared, ext.name)
@@ -107,6 +94,7 @@ def _build_ext(cpp_extension):
                 super().build_extension(ext)
             finally:
                 self.build_temp = shared
+            cfg.check_no_private_libstdcxx(self.get_ext_fullpath(ext.name))
 
     return BuildExtension
 

@@ -181,6 +181,48 @@ def torch_cuda_arch_list() -> list[str]:
     return [f"{a // 10}.{a % 10}" for a in CUDA_ARCHS]
 
 
+def runtime_libstdcxx() -> list[str]:
+    """The libstdc++ this process has loaded (import torch first), as a link input ahead of the
+    compiler's own: ``[path]``, or ``[]`` off Linux or when none is loaded.
+
+    A compiler whose C++ runtime is linked in statically, in part or whole (the GPU machine's
+    /opt/gcc GCC 13 does; RHEL's gcc-toolset does with libstdc++_nonshared.a), puts a private copy
+    of libstdc++ code into the module. That copy met the process's libstdc++ data there: the first
+    error message the module formatted (``TORCH_CHECK`` streams into an ostringstream) called the
+    wrong locale facet and died with SIGSEGV. Named first, the loaded library resolves every symbol
+    it has, so nothing is copied (docs/BENCHMARKS.md, "GPU check").
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    return sorted(paths)[:1]
+
+
+# Symbols of libstdc++'s compiled part (std::locale's members, the codecvt facets): no header
+# instantiates them, so a module that defines one carries a private copy of the C++ runtime.
+_LIBSTDCXX_PRIVATE = re.compile(r" [TtWw] (_ZNSt6locale|_ZNKSt7codecvt)")
+
+
+def check_no_private_libstdcxx(path: str) -> None:
+    """Refuse a module that carries its own libstdc++ code (see :func:`runtime_libstdcxx`)."""
+    nm = shutil.which("nm")
+    if nm is None or not Path(path).exists():
+        return
+    symbols = subprocess.run([nm, "--defined-only", path], capture_output=True, text=True).stdout
+    found = _LIBSTDCXX_PRIVATE.findall(symbols)
+    if found:
+        raise RuntimeError(
+            f"{path} defines {len(found)} libstdc++ runtime symbols (such as std::locale members): the "
+            "compiler linked part of its C++ runtime in statically, and the module would crash on its "
+            "first error message. Build with a compiler that links libstdc++ as a shared library "
+            "(set CXX/CC), or one matching the libstdc++ torch loads."
+        )
+
+
 def values() -> dict:
     """Every value, as plain lists and strings (the ``--json`` and ``--cmake`` output)."""
     return {
