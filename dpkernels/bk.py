@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _backend
-from .clip import CLIP, _check_max_grad_norm, _check_mode
+from .clip import CLIP, _check_max_grad_norm, _check_mode, _in_range, _overflow_error
 from .layers import (
     conv2d_patches,
     conv2d_sumsq,
@@ -724,13 +724,10 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
                 _add(sums, index[id(p)], s)
     sums = [torch.zeros(p.shape, dtype=torch.float32, device=device) if s is None else s.view(p.shape)
             for s, p in zip(sums, params, strict=True)]  # fmt: skip
-    # min and max of each sum in one vectorised pass: inf or NaN iff the sum overflowed (the
-    # weights are finite)
-    peaks = [torch.stack(torch.aminmax(s)) for s in sums if s.numel()]
-    peaks = torch.stack(peaks) if peaks else torch.zeros(0, 2)
-    if not bool(torch.isfinite(peaks).all()):
-        bad_p = torch.nonzero(~torch.isfinite(peaks).all(1)).flatten().tolist()
-        raise ValueError(f"the clipped sum of parameter(s) {bad_p} overflows float32")
+    if not _in_range(sums):  # every clipped sample is finite: only B of them summed can overflow
+        raise _overflow_error(
+            sums, "clipped sum", "every clipped sample is finite", "lower max_grad_norm (or the batch size)"
+        )
     return sums, norms.to(torch.float32), w
 
 

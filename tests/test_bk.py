@@ -283,6 +283,18 @@ def test_nonfinite_sample_raises_or_is_dropped(backend_device):
     _close_sums(sums, [s.float() for s in want_s])
 
 
+def test_overflowing_clipped_sum_raises(backend_device):
+    """Four samples, each clipped within C = 3e38, sum past the float32 range: refused, naming the
+    parameter, as the fused pipeline does."""
+    backend, dev = backend_device
+    model = nn.Sequential(nn.Linear(2, 1, bias=False)).to(dev)
+    bk = BKModule(model, loss_reduction="sum")
+    # the per-sample weight gradient is x·G with G = 1: entries 1e38, norm 1.4e38 < C
+    bk(torch.full((4, 2), 1e38, device=dev)).sum().backward()
+    with pytest.raises(ValueError, match=r"clipped sum overflows torch.float32 in tensor\(s\) \[0\]"):
+        bk.clip_and_accumulate(3e38, backend=backend)
+
+
 def test_frozen_weight_trainable_bias(backend_device):
     """A Linear/Conv2d whose weight is frozen still clips its bias (its G is recorded)."""
     backend, dev = backend_device
