@@ -26,7 +26,7 @@ $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q numpy scipy ninja "opacus>=1.5" dp-accounting rich scikit-learn matplotlib pytest pytest-xdist pytest-benchmark hypothesis ruff clang-format
+	$(PIP) install -q numpy scipy ninja "opacus>=1.5" dp-accounting rich scikit-learn matplotlib mnist1d pytest pytest-xdist pytest-benchmark hypothesis ruff clang-format
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps setup.py $(SOURCES)
