@@ -35,7 +35,7 @@ CONFIGS = {
     "psac": (DPSGD, dict(lr=0.1, mode="psac", r=0.1, seed=12), 1),
     "adam": (DPAdam, dict(lr=0.01, weight_decay=0.1, seed=13), 1),
     "adam_bc": (DPAdamBC, dict(lr=0.01, seed=14), 1),
-    "stp": (DPAdamSTP, dict(lr=0.01, seed=15), 1),
+    "stp": (DPAdamSTP, dict(lr=0.01, eps1=1e-2, seed=15), 1),
     "macadam": (DPMacAdam, dict(lr=0.01, seed=16), 1),
     "dp2": (DP2, dict(lr=0.1, s1=1, s2=1, seed=17), 1),
     "pmlf": (DPPMLF, dict(lr=0.1, k=2, seed=18), 2),

@@ -247,6 +247,11 @@ def _args(**over):
         (dict(clipping="per_layer", max_grad_norm=[1.0] * 4), NotImplementedError, "clipping"),
         (dict(grad_sample_mode="ghost"), NotImplementedError, "grad_sample_mode"),
         (dict(algorithm="stp", optimizer=lambda ps: torch.optim.Adam(ps), eps1=-1.0), ValueError, "eps1"),
+        (
+            dict(algorithm="stp", optimizer=lambda ps: torch.optim.Adam(ps)),
+            TypeError,
+            "'stp' needs keyword argument\\(s\\) \\['eps1'\\]: .*per-sample norm at max_grad_norm·eps1",
+        ),
         (dict(correlated_noise=object()), TypeError, "BLTNoise or BandedNoise"),
     ],
 )

@@ -411,6 +411,6 @@ def test_step_from_sums_rejects():
         opt.set_step_params(1.0, 1.0, 0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         opt.set_step_params(1.0, 0.0, 4)
-    stp = fused.DPAdamSTP(params, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B)
+    stp = fused.DPAdamSTP(params, lr=0.1, eps1=1e-2, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B)
     with pytest.raises(NotImplementedError, match="no step_from_sums"):
         stp.step_from_sums([torch.zeros_like(p) for p in params], sensitivity=1.0)

@@ -228,6 +228,31 @@ def test_stp_with_uniform_vhat_is_dpadam_with_rescaled_clip(t, u):
             torch.testing.assert_close(stp.state[p][key], adam.state[q][key], rtol=1e-10, atol=1e-15)
 
 
+def test_stp_tiny_eps1_clips_every_sample_and_damps_the_run():
+    """Why ``eps1`` has no default (docs/ALGORITHMS.md): with ε₁ = 1e-8 (the former default) step 1
+    clips every sample at ``C·ε₁``, ``√v̂`` stays near ε₁ and below ε₂ = 1e-8, and the updates shrink
+    several-fold; with ``C·ε₁`` at the per-sample norms' scale the same run moves at Adam's pace."""
+    B, C, lr = 8, 1.0, 1e-2
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grad_samples(make_params(), B, 1)[0]]).norm(dim=0)
+    assert (norms > C * 1e-8).all() and (norms < C * 1.0).float().mean() == 0.5  # ε₁ = 1: half clipped
+
+    def mean_update(eps1):
+        params = make_params()
+        opt = O.DPAdamSTP(params, lr=lr, eps1=eps1, noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=B,
+                          seed=3)  # fmt: skip
+        moves = []
+        for t in range(1, 13):
+            before = [p.detach().clone() for p in params]
+            attach(params, grad_samples(params, B, t))
+            opt.step()
+            moves.append(torch.cat([(p.detach() - q).flatten() for p, q in zip(params, before, strict=True)]))
+        return torch.stack(moves).abs().mean(1) / lr  # per step, in units of lr
+
+    tiny, tuned = mean_update(1e-8), mean_update(1.0)
+    assert tuned[0] > 0.99 and tiny[0] < 0.2  # Adam's first step moves lr, unless √v̂ is at ε₂'s scale
+    assert tuned.mean() > 4 * tiny.mean()
+
+
 # --------------------------------------------------------------------------------------------
 # DP-MacAdam
 # --------------------------------------------------------------------------------------------
@@ -246,6 +271,39 @@ def test_macadam_kappa_table():
         for t in range(1, 40):
             c = [(1 - beta) * beta ** (t - i) / (1 - beta**t) for i in range(1, t + 1)]
             assert abs(O.macadam_kappa(t, beta) - (1 - beta**t) * (1 - sum(x * x for x in c))) < 1e-12
+
+
+def test_macadam_h_defaults_scale_with_d():
+    """h1, h2 default to the paper's MNIST values at its d = 795,010 and keep d·h fixed elsewhere;
+    explicit values are kept."""
+    from dpkernels.optim.macadam import macadam_h_defaults
+
+    h1, h2 = macadam_h_defaults(795_010)
+    assert math.isclose(h1, 1e-9, rel_tol=1e-12) and math.isclose(h2, 1e-6, rel_tol=1e-12)
+    h1, h2 = macadam_h_defaults(2_410)  # the digits MLP of `dpkernels train`
+    assert math.isclose(h1, 3.29879668e-7, rel_tol=1e-8) and math.isclose(h2, 3.29879668e-4, rel_tol=1e-8)
+    params = make_params()  # d = 28
+    group = O.DPMacAdam(params, **BASE).param_groups[0]
+    assert math.isclose(group["h1"], 7.9501e-4 / 28, rel_tol=1e-12) and math.isclose(group["h2"], 0.79501 / 28)
+    group = O.DPMacAdam(params, h1=1e-9, h2=1e-6, **BASE).param_groups[0]
+    assert (group["h1"], group["h2"]) == (1e-9, 1e-6)
+    with pytest.raises(ValueError, match="d \\(number of parameters\\)"):
+        macadam_h_defaults(0)
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, ((40, 25),)], ids=["d28", "d1000"])
+def test_macadam_default_clip_radius_does_not_depend_on_d(shapes):
+    """The invariant behind the defaults: with ŝ clamped at h1 everywhere, every semi-axis of the clip
+    ellipsoid is b_j = √(d·h1) = √(7.9501e-4), whatever d (here ŝ ≈ 0 < h1: noiseless, constant tiny gradients)."""
+    params = make_params(shapes=shapes)
+    B = 4
+    opt = O.DPMacAdam(params, lr=1e-3, noise_multiplier=0.0, expected_batch_size=B)
+    sets = [[1e-6 * torch.ones(B, *p.shape, dtype=F64) for p in params]]
+    for _ in range(2):  # b changes from b0 at t = 2 (κ_1 = 0)
+        attach(params, sets)
+        opt.step()
+    for p in params:
+        torch.testing.assert_close(opt.b(p), torch.full_like(p, math.sqrt(7.9501e-4)), rtol=1e-12, atol=0)
 
 
 def test_macadam_first_step_keeps_b0_and_no_nan():
@@ -602,8 +660,16 @@ BASE = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
         (O.DPAdam, dict(betas=(0.9,)), ValueError, "betas must be a pair"),
         (O.DPAdamBC, dict(gamma_prime=0.0), ValueError, "gamma_prime"),
         (O.DPAdamSTP, dict(eps1=0.0), ValueError, "eps1"),
+        (O.DPAdamSTP, dict(), TypeError, "eps1"),  # required: no value suits every gradient scale
         (O.DPMacAdam, dict(betas=(0.0, 0.999)), ValueError, "betas\\[0\\] > 0"),
         (O.DPMacAdam, dict(h1=1e-3, h2=1e-6), ValueError, "h2"),
+        (
+            O.DPMacAdam,
+            dict(h1=1.0),
+            ValueError,
+            "h2 must be >= h1, got h1=1, h2=0.0283932 \\(the default for d = 28\\)",
+        ),
+        (O.DPMacAdam, dict(h1=0.0), ValueError, "h1 must be"),
         (O.DPMacAdam, dict(bc_scale="b3"), ValueError, "bc_scale"),
         (O.DP2, dict(lr=0.1, s1=0, s2=2), ValueError, "s1 must be"),
         (O.DP2, dict(lr=0.1, s1=2, s2=2, preconditioner="adam"), ValueError, "preconditioner"),
@@ -611,6 +677,21 @@ BASE = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
         (O.DPPMLF, dict(lr=0.1, filter="a5b5"), ValueError, "unknown PMLF filter preset"),
         (O.DPPMLF, dict(lr=0.1, filter=((-0.5,), (0.4,))), ValueError, "unit DC gain"),
         (O.DPPMLF, dict(lr=0.1, filter=((-1.5,), (-0.5,))), ValueError, "not stable"),
+        # c_t <= 0: b0 = 0 (c_1 = 0, the first update 0/0); an FIR filter whose c_2 < 0; an IIR filter whose
+        # c_t = 2, 3, 2.6, 1.32, 0.104, -0.3312 turns negative through its poles after every b_tau is summed
+        (
+            O.DPPMLF,
+            dict(lr=0.1, filter=((-0.9,), (0.0, 0.1))),
+            ValueError,
+            "filter \\(a=\\[-0.9\\], b=\\[0.0, 0.1\\]\\).* c_t = 0 <= 0 at step t = 1 .*c_1 = b_0",
+        ),
+        (O.DPPMLF, dict(lr=0.1, filter=((), (0.5, -1.5, 2.0))), ValueError, "c_t = -1 <= 0 at step t = 2 "),
+        (
+            O.DPPMLF,
+            dict(lr=0.1, filter=((-1.2, 0.8), (2.0, -1.4))),
+            ValueError,
+            "filter \\(a=\\[-1.2, 0.8\\], b=\\[2.0, -1.4\\]\\).* c_t = -0.3312 <= 0 at step t = 6 ",
+        ),
     ],
 )
 def test_bad_hyper_parameters(cls, kw, err, match):

@@ -57,7 +57,7 @@ STEP_CONFIGS = [
     ("DPSGD momentum", "DPSGD", dict(lr=0.1, momentum=0.9), 5),
     ("DPAdam", "DPAdam", dict(lr=1e-3), 7),
     ("DPAdamBC", "DPAdamBC", dict(lr=1e-3), 7),
-    ("DPAdamSTP", "DPAdamSTP", dict(lr=1e-3), 8),
+    ("DPAdamSTP", "DPAdamSTP", dict(lr=1e-3, eps1=1e-3), 8),
     ("DPMacAdam", "DPMacAdam", dict(lr=1e-3), 14),
     ("DP2 (sgd phase)", "DP2", dict(lr=0.1, s1=1000, s2=1), 5),
     ("DPPMLF", "DPPMLF", dict(lr=0.1, k=1), 5),

@@ -20,7 +20,7 @@ an ``opacus.optimizers.DPOptimizer`` whose ``original_optimizer`` is the fused d
 ``pmlf``       ``DPPMLF``                  SGD (lr; no momentum)  ``k, beta, filter``
 ``dpadam``     ``DPAdam``                  Adam / AdamW
 ``dpadam_bc``  ``DPAdamBC``                Adam / AdamW (no eps)  ``gamma_prime``
-``stp``        ``DPAdamSTP``               Adam / AdamW (eps→ε₂)  ``eps1``
+``stp``        ``DPAdamSTP``               Adam / AdamW (eps→ε₂)  ``eps1`` (required)
 ``macadam``    ``DPMacAdam``               Adam (no decay)        ``h1, h2, b0, bias_correction,
                                                                   gamma_prime, bc_scale``
 =============  ==========================  =====================  =====================================
@@ -108,6 +108,7 @@ class _Spec:
     family: str  # the torch optimizer it takes the hyper-parameters from: "sgd" or "adam"
     kwargs: tuple[str, ...]  # the algorithm's own keyword arguments
     required: tuple[str, ...] = ()
+    why: str = ""  # why the required ones have no default, added to the error
 
 
 _SPECS = {
@@ -122,7 +123,15 @@ _SPECS = {
     "pmlf": _Spec(dpk_optim.DPPMLF, "sgd", ("k", "beta", "filter")),
     "dpadam": _Spec(dpk_optim.DPAdam, "adam", ()),
     "dpadam_bc": _Spec(dpk_optim.DPAdamBC, "adam", ("gamma_prime",)),
-    "stp": _Spec(dpk_optim.DPAdamSTP, "adam", ("eps1",)),
+    "stp": _Spec(
+        dpk_optim.DPAdamSTP,
+        "adam",
+        ("eps1",),
+        ("eps1",),
+        "eps1 (ε₁) sets STP's clip scale: step 1 clips the per-sample norm at max_grad_norm·eps1, later steps "
+        "‖g/(√v̂+eps1)‖ at max_grad_norm; tune it with max_grad_norm (e.g. max_grad_norm·eps1 = the clip DP-Adam "
+        "would use). See dpkernels.optim.DPAdamSTP",
+    ),
     "macadam": _Spec(dpk_optim.DPMacAdam, "adam", ("h1", "h2", "b0", "bias_correction", "gamma_prime", "bc_scale")),
 }
 
@@ -437,7 +446,7 @@ def _engine_args(algorithm, optimizer, algo_kwargs, correlated_noise) -> tuple[_
         raise TypeError(f"algorithm {algorithm!r} got unexpected keyword argument(s) {unknown}; it takes: {allowed}")
     missing = [k for k in spec.required if k not in algo_kwargs]
     if missing:
-        raise TypeError(f"algorithm {algorithm!r} needs keyword argument(s) {missing}")
+        raise TypeError(f"algorithm {algorithm!r} needs keyword argument(s) {missing}" + (spec.why and f": {spec.why}"))
     if correlated_noise is not None and not isinstance(correlated_noise, _StreamingNoise):
         raise TypeError(f"correlated_noise must be a BLTNoise or BandedNoise, got {type(correlated_noise).__name__}")
     hypers = (_check_sgd if spec.family == "sgd" else _check_adam)(algorithm, optimizer)

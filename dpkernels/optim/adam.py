@@ -110,13 +110,28 @@ class DPAdamSTP(_AdamFamily):
     un-scaled by ``√v̂_{t−1} + ε₁`` per coordinate. Injected ``noise`` is the scaled-space
     ``σ·C·z``. State: ``exp_avg``, ``exp_avg_sq`` and ``scale`` = ``s_{t+1}``, written by each step
     for the next step's clip pass.
+
+    ``eps1`` (ε₁, > 0) is **required**: the paper tunes it jointly with C and the learning rate
+    and gives no value, and no constant suits every gradient scale. C (``max_grad_norm``) is a
+    norm in the *scaled* space, so it acts on raw gradients only through ε₁:
+
+    - step 1 (``s_1 = 1/ε₁``) clips ``‖g_i‖ ≤ C·ε₁``, ordinary L2 clipping at ``C·ε₁`` with noise
+      std ``σ·C·ε₁`` on the sum;
+    - later steps clip ``‖g_i/(√v̂_{t−1} + ε₁)‖ ≤ C``: coordinate j at about ``C·(√v̂_j + ε₁)``.
+
+    If ``C·ε₁`` is far below the per-sample gradient norms, every sample is clipped at step 1 and
+    the run stays at that scale: ``g̃`` is then a multiple of ε₁ (its noise alone gives the fixed
+    point ``√v̂ = ρε₁/(1 − ρ)``, ρ = σC/B), so with ε₁ = 1e-8 ``√v̂`` falls below ε₂ and the
+    updates shrink to about ``η·m̂/ε₂``. If ε₁ is far above ``√v̂``, ``s`` is nearly uniform and
+    STP is DP-Adam clipping at ``C·ε₁``. A starting point: ``C·ε₁`` = the clip norm DP-Adam would
+    use, then tune C and ε₁ together (docs/ALGORITHMS.md).
     """
 
     _STATE_KEYS = ("exp_avg", "exp_avg_sq", "scale")
     _VARIANT = 2
     _accepts_sums = False
 
-    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps1=1e-8, eps2=1e-8, weight_decay=0.0, **privacy):
+    def __init__(self, params, lr=1e-3, *, eps1, betas=(0.9, 0.999), eps2=1e-8, weight_decay=0.0, **privacy):
         _check_number("eps1", eps1, low=0.0, low_open=True)
         _check_number("eps2", eps2, low=0.0)
         super().__init__(params, dict(lr=lr, eps1=eps1, eps2=eps2), privacy, betas=betas, weight_decay=weight_decay)

@@ -10,7 +10,25 @@ from .._kernel_args import MACADAM
 from ..reference.optim import macadam_kappa
 from ._base import DPOptimizer, _check_number, bias, check_betas
 
-__all__ = ["DPMacAdam"]
+__all__ = ["DPMacAdam", "macadam_h_defaults"]
+
+#: DP-MacAdam's MNIST setting (arXiv:2606.05435, Sec. IV): ``h1, h2`` for its ``d = 795,010``
+#: (784-1000-10 MLP). The defaults keep ``d·h`` at these values (:func:`macadam_h_defaults`).
+PAPER_D, PAPER_H1, PAPER_H2 = 795_010, 1e-9, 1e-6
+
+
+def macadam_h_defaults(d: int) -> tuple[float, float]:
+    """The default clamp ``(h1, h2)`` of ``ŝ`` for a model of ``d`` parameters:
+    ``h = h_paper · d_paper / d`` (``1e-9``, ``1e-6`` at the paper's ``d = 795,010``).
+
+    Why ``d·h`` is the invariant: ``b_j² = √ŝ_j · Σ_k √ŝ_k``, so with ``ŝ ∈ [h1, h2]`` every semi-axis
+    of the clip ellipsoid ``‖(g − m̂)/b‖ ≤ 1`` lies in ``[√(d·h1), √(d·h2)]`` (equality for a uniform
+    ``ŝ`` at a bound): the clamp bounds the clip radius in gradient units to
+    ``[C√(d·h1), C√(d·h2)] = C·[0.028, 0.89]`` at the paper's values, and per-sample gradient norms,
+    the quantity clipped, do not grow with ``d``."""
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"d (number of parameters) must be an int >= 1, got {d!r}")
+    return PAPER_H1 * PAPER_D / d, PAPER_H2 * PAPER_D / d
 
 
 class DPMacAdam(DPOptimizer):
@@ -37,8 +55,11 @@ class DPMacAdam(DPOptimizer):
     ``bc_scale="b2"`` uses the per-coordinate noise variance ``Φ = b_{t−1}²σ²C²/B²`` of ``g̃``.
     ``max_grad_norm`` is the clip threshold in the transformed space: 1 in the paper (the default);
     another C scales the clip and noise together (it is equivalent to ``b → C·b``).
-    Defaults: β = (0.9, 0.999), γ = 1e-8, h1 = 1e-9, h2 = 1e-6 (the paper's MNIST values and the
-    authors' config), γ' = 1e-8 (as DPAdamBC).
+    Defaults: β = (0.9, 0.999), γ = 1e-8, γ' = 1e-8 (as DPAdamBC) and ``h1, h2`` =
+    :func:`macadam_h_defaults` ``(d)`` = ``(7.9501e-4/d, 0.79501/d)``: the paper's MNIST values
+    (1e-9, 1e-6 at its ``d = 795,010``) scaled so that the clip radius they allow in gradient units,
+    ``C·[√(d·h1), √(d·h2)]``, does not change with ``d``. A given ``h1``/``h2`` is used as is (the
+    paper tunes them per dataset: 5e-5, 1.0 on CIFAR-10, ``d = 582,346``).
 
     State: ``exp_avg``, ``exp_avg_sq``, ``s``; ``b = b_unnorm·bscale`` split into the per-element
     ``b_unnorm = ŝ^{1/4}`` and the global ``bscale = √(Σ√ŝ)`` (``state_dict()["dp"]``; the step
@@ -49,14 +70,12 @@ class DPMacAdam(DPOptimizer):
     _STATE_KEYS = ("exp_avg", "exp_avg_sq", "s", "b_unnorm", "inv_b_unnorm", "shift")
     _PRIVACY_DEFAULTS = {"max_grad_norm": 1.0}
 
-    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps=1e-8, h1=1e-9, h2=1e-6, b0=None,
+    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps=1e-8, h1=None, h2=None, b0=None,
                  bias_correction=False, gamma_prime=1e-8, bc_scale="paper", **privacy):  # fmt: skip
         betas = check_betas(betas)
         if betas[0] == 0.0:
             raise ValueError("DPMacAdam needs betas[0] > 0: with beta1 = 0, kappa_t = 0 for every t")
         _check_number("eps", eps, low=0.0)
-        _check_number("h1", h1, low=0.0, low_open=True)
-        _check_number("h2", h2, low=h1)
         _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
         if b0 is not None:
             _check_number("b0", b0, low=0.0, low_open=True)
@@ -68,6 +87,26 @@ class DPMacAdam(DPOptimizer):
         self.bscale = 1.0  # b = b_unnorm · bscale; bscale = √(Σ√ŝ) of the last update
         defaults = dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, gamma_prime=gamma_prime)
         super().__init__(params, defaults, privacy)
+        # None: the d-scaled default, d = the optimizer's parameters at construction (as b0's 1/d).
+        self._d = sum(p.numel() for p in self._params())
+        self._default_h = dict(zip(("h1", "h2"), macadam_h_defaults(self._d), strict=True))
+        for g in self.param_groups:
+            self._resolve_h(g)
+
+    def _resolve_h(self, group: dict) -> None:
+        """Set a group's ``h1``/``h2`` of ``None`` to the default for ``d``; check ``0 < h1 <= h2``."""
+        given = {k: group.get(k) is not None for k in self._default_h}
+        for k, default in self._default_h.items():
+            group[k] = _check_number(k, group[k], low=0.0, low_open=True) if given[k] else default
+        if group["h2"] < group["h1"]:
+            note = {k: "" if given[k] else f" (the default for d = {self._d})" for k in given}
+            raise ValueError(f"h2 must be >= h1, got h1={group['h1']:g}{note['h1']}, h2={group['h2']:g}{note['h2']}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_default_h"):  # a later group; torch's constructor's are resolved by __init__
+            param_group = dict(param_group)
+            self._resolve_h(param_group)
+        super().add_param_group(param_group)
 
     def _init_state(self, p):
         b0 = self.b0 if self.b0 is not None else 1.0 / sum(q.numel() for q in self._params())

@@ -18,6 +18,10 @@ from ._base import INDEPENDENT, DPOptimizer, _check_number
 
 __all__ = ["DPSGD", "DPPMLF"]
 
+# A filter whose correction needs more steps than this to be certified has a time constant far beyond
+# any training run (a pole within ~1e-6 of the unit circle); it is refused rather than checked forever.
+_MAX_CORRECTION_STEPS = 1_000_000
+
 
 class DPSGD(DPOptimizer):
     """DP-SGD (Abadi et al. 2016) with optional heavy-ball momentum and L2 weight decay.
@@ -78,8 +82,9 @@ class DPPMLF(DPOptimizer):
     ``Σ b_τ`` counted over the inputs that exist). The authors' code adds all ``b_τ`` from
     ``t = 0``; that differs for the two-tap presets during the first ~1/(1 − pole) steps.
     ``filter`` is a preset name of :data:`PMLF_PRESETS` or a pair ``(a, b)``; it must satisfy
-    ``Σ b − Σ a = 1`` and have all poles inside the unit circle. Defaults: ``k = 2``, ``β = 0.1``,
-    preset ``a9b1`` (the authors' code defaults).
+    ``Σ b − Σ a = 1``, have all poles inside the unit circle and give ``c_t > 0`` at every step
+    (``b₀ > 0`` for ``c_1 = b₀``; checked for all ``t``, :func:`_check_correction`), else
+    ``ValueError``. Defaults: ``k = 2``, ``β = 0.1``, preset ``a9b1`` (the authors' code defaults).
 
     State (rings, one layout on every backend): ``m_hist`` ``[na, *shape]``, ``vbar_hist``
     ``[nb, *shape]`` and ``past`` ``[k−1, *shape]`` (parameter dtype; ``x_0`` before there are
@@ -105,7 +110,9 @@ class DPPMLF(DPOptimizer):
         if isinstance(filt, str):
             if filt not in PMLF_PRESETS:
                 raise ValueError(f"unknown PMLF filter preset {filt!r}; expected one of {sorted(PMLF_PRESETS)}")
-            return PMLF_PRESETS[filt]
+            a, b = PMLF_PRESETS[filt]
+            _check_correction(a, b, f"preset {filt!r}")
+            return a, b
         try:
             a, b = (tuple(float(x) for x in filt[0]), tuple(float(x) for x in filt[1]))
         except (TypeError, ValueError, IndexError):
@@ -120,6 +127,7 @@ class DPPMLF(DPOptimizer):
                                                     torch.eye(len(a) - 1, len(a), dtype=torch.float64)]))  # fmt: skip
             if bool((poles.abs() >= 1).any()):
                 raise ValueError(f"filter is not stable: poles {poles.abs().tolist()} must lie inside the unit circle")
+        _check_correction(a, b, f"(a={list(a)}, b={list(b)})")
         return a, b
 
     def _init_state(self, p):
@@ -197,3 +205,43 @@ class DPPMLF(DPOptimizer):
         )  # fmt: skip
         self._c_hist = ([c_t] + self._c_hist)[: len(a)]
         self._ring += 1
+
+
+def _check_correction(a: tuple[float, ...], b: tuple[float, ...], label: str) -> None:
+    """Raise ``ValueError`` unless DP-PMLF's bias correction ``c_t`` (the filter's response to a
+    constant 1 from zero state, :class:`DPPMLF`) is > 0 at every step: ``θ ← θ − η m_t/c_t`` is
+    0/0 where ``c_t = 0`` (``b₀ = 0`` gives ``c_1 = 0``) and points uphill where ``c_t < 0``.
+
+    For a stable filter with unit DC gain ``c_t → 1``, and the check is exact over all ``t``: once
+    every ``b_τ`` is in the sum (paper index ``t ≥ nb``), ``e_t = c_t − 1`` obeys the homogeneous
+    recursion ``e_t = −Σ a_τ e_{t−τ}`` (``e_{<0} = −1``), i.e. ``x_{t+1} = A x_t`` for the companion
+    matrix ``A`` of ``a`` and ``x_t = (e_t, …, e_{t−na+1})``. With ``n`` such that ``‖Aⁿ‖∞ < 1`` (it
+    exists: the spectral radius is < 1), ``‖x_{t+j}‖∞ ≤ M·‖x_t‖∞`` for every ``j ≥ 0``, where
+    ``M = max_{r<n} ‖Aʳ‖∞``; so once ``M·‖x_t‖∞ < 1`` no later ``c_t`` can reach 0. Steps before
+    that are computed and checked one by one (the same recursion as the step's ``c_t``)."""
+    na, nb = len(a), len(b)
+    bound = 0.0  # M: 0 for an FIR filter, whose c_t is exactly 1 once every b_τ is summed
+    if na:
+        A = torch.zeros(na, na, dtype=torch.float64)
+        A[0] = -torch.tensor(a, dtype=torch.float64)
+        A[1:, :-1] = torch.eye(na - 1, dtype=torch.float64)
+        power, norms = torch.eye(na, dtype=torch.float64), []
+        while (norm := float(power.abs().sum(1).max())) >= 1.0:
+            norms.append(norm)
+            if len(norms) > _MAX_CORRECTION_STEPS:
+                raise ValueError(f"PMLF filter {label}: a pole is too close to the unit circle to check c_t")
+            power = A @ power
+        bound = max(norms)
+    c: list[float] = []  # c_0, c_1, ... (paper index)
+    for t in range(_MAX_CORRECTION_STEPS):
+        c_t = -sum(a_tau * c[t - tau] for tau, a_tau in enumerate(a, 1) if t >= tau) + sum(b[: t + 1])
+        if not c_t > 0:
+            why = " (c_1 = b_0)" if t == 0 else ""
+            raise ValueError(
+                f"PMLF filter {label}: its bias correction c_t = {c_t:.6g} <= 0 at step t = {t + 1} "
+                f"(the first step is t = 1){why}; the update m_t/c_t needs c_t > 0 at every step"
+            )
+        c.append(c_t)
+        if t >= nb - 1 and bound * max((abs(c[t - j] - 1) if t >= j else 1.0) for j in range(max(na, 1))) < 1:
+            return
+    raise ValueError(f"PMLF filter {label}: c_t has not settled after {_MAX_CORRECTION_STEPS} steps")
