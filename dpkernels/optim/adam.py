@@ -117,14 +117,15 @@ class DPAdamSTP(_AdamFamily):
 
     - step 1 (``s_1 = 1/ε₁``) clips ``‖g_i‖ ≤ C·ε₁``, ordinary L2 clipping at ``C·ε₁`` with noise
       std ``σ·C·ε₁`` on the sum;
-    - later steps clip ``‖g_i/(√v̂_{t−1} + ε₁)‖ ≤ C``: coordinate j at about ``C·(√v̂_j + ε₁)``.
+    - later steps clip ``‖g_i/(√v̂_{t−1} + ε₁)‖ ≤ C``, an ellipsoid of semi-axis
+      ``C·(√v̂_{t−1,j} + ε₁)`` along coordinate j.
 
     If ``C·ε₁`` is far below the per-sample gradient norms, every sample is clipped at step 1 and
-    the run stays at that scale: ``g̃`` is then a multiple of ε₁ (its noise alone gives the fixed
-    point ``√v̂ = ρε₁/(1 − ρ)``, ρ = σC/B), so with ε₁ = 1e-8 ``√v̂`` falls below ε₂ and the
-    updates shrink to about ``η·m̂/ε₂``. If ε₁ is far above ``√v̂``, ``s`` is nearly uniform and
-    STP is DP-Adam clipping at ``C·ε₁``. A starting point: ``C·ε₁`` = the clip norm DP-Adam would
-    use, then tune C and ε₁ together (docs/ALGORITHMS.md).
+    the run stays at that scale: a typical coordinate of ``g̃`` is about ``(C/√d + ρ)(√v̂ + ε₁)``
+    (ρ = σC/B; the noise alone has the fixed point ``√v̂ = ρε₁/(1 − ρ)``), so with ε₁ = 1e-8
+    ``√v̂`` falls below ε₂ and the updates shrink to about ``η·m̂/ε₂``. If ε₁ is far above ``√v̂``,
+    ``s`` is nearly uniform and STP is DP-Adam clipping at ``C·ε₁``. A starting point: ``C·ε₁`` =
+    the clip norm DP-Adam would use, then tune C and ε₁ together (docs/ALGORITHMS.md).
     """
 
     _STATE_KEYS = ("exp_avg", "exp_avg_sq", "scale")
