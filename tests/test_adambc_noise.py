@@ -151,10 +151,17 @@ def test_phi_bar_is_saved_and_checked():
         sd["dp"]["phi_bar"] = bad
         with pytest.raises(ValueError, match="phi_bar"):
             other.load_state_dict(sd)
-    del sd["dp"]["phi_bar"]
-    with pytest.raises(ValueError, match="phi_bar"):
-        other.load_state_dict(sd)
     assert other.phi_bar == opt.phi_bar  # a refused state_dict changes nothing
+    # A checkpoint of an earlier version (no phi_bar) continues as that version did: Φ of the loader.
+    del sd["dp"]["phi_bar"]
+    other.load_state_dict(sd)
+    assert other.phi_bar == [other.phi, other.phi] and other.phi != opt.phi
+    blt = O.DPAdamBC([torch.zeros(3)], noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=B,
+                     correlated_noise=_mechanism("blt"))  # fmt: skip
+    old = blt.state_dict()
+    del old["dp"]["phi_bar"]
+    with pytest.raises(ValueError, match="phi_bar is missing"):
+        blt.load_state_dict(old)
 
 
 def test_default_gamma_prime_is_relative_to_phi():

@@ -224,6 +224,8 @@ class DPOptimizer(torch.optim.Optimizer):
     _STATE_KEYS: tuple[str, ...] = ()
     #: defaults of privacy arguments that differ from :class:`PrivacyArgs`' (DP-MacAdam's C = 1)
     _PRIVACY_DEFAULTS: dict = {}
+    #: global state fields that checkpoints of earlier versions lack (:meth:`_load_global_state` fills them in)
+    _NEWER_GLOBALS: frozenset = frozenset()
 
     def __init_subclass__(cls, **kwargs):
         """Show the shared privacy arguments in each optimizer's signature (``help``, ``inspect``)."""
@@ -587,7 +589,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         step = _validate.integer("state_dict['dp']['step']", dp.get("step"), low=0, high=2**32)
         seed = _validate.integer("state_dict['dp']['seed']", dp.get("seed"), low=0, high=2**64)
-        missing = sorted(self._global_state().keys() - dp.keys())
+        missing = sorted(self._global_state().keys() - dp.keys() - self._NEWER_GLOBALS)
         if missing:
             raise ValueError(f"state_dict['dp'] lacks the field(s) {missing} of a {name}")
         saved_rng = "philox" if dp["secure_key"] is None else "chacha20"

@@ -81,7 +81,7 @@ class DPAdamBC(_AdamFamily):
 
     computed as ``Φ̄_0 = 0``, ``Φ̄_t = Φ̄_{t−1} + (1−β2)/(1−β2^t)·(Φ_t − Φ̄_{t−1})``, i.e. Ganesh et al.'s
     recursion ``b_t = (β2−β2^t)/(1−β2^t)·b_{t−1} + (1−β2)/(1−β2^t)·Φ_t`` (arXiv:2507.01129 App. A, as
-    corrected in /work/shared/reference/seeds_design_principles.md §1.5: ``b_i`` → ``b_t``, no extra
+    corrected in reference/seeds_design_principles.md §1.5: ``b_i`` → ``b_t``, no extra
     ``β2``, the diagonal of ``C⁻¹C⁻ᵀ``). ``r_k = 1`` for independent noise; with ``correlated_noise``,
     ``r_k = ‖row_k(C⁻¹)‖²`` (:meth:`dpkernels.BLTNoise.noise_variance`): the noise of ``g̃_k`` is
     ``σΔ/B·(C⁻¹Z)_k``, and ``v`` sums squares of single steps, so only each step's own variance
@@ -93,7 +93,9 @@ class DPAdamBC(_AdamFamily):
     change (:meth:`set_step_params`, ``step_from_sums`` with another ``sensitivity``), ``Φ̄_t`` moves
     from the old to the new variance at the rate ``v̂_t`` forgets the old noise, instead of
     jumping. ``Φ̄`` is kept per param group (β2 may differ), starts at 0 with the group's state (a
-    group added later averages only the steps its ``v`` saw) and is saved in ``state_dict()["dp"]``.
+    group added later averages only the steps its ``v`` saw) and is saved in ``state_dict()["dp"]``
+    (a checkpoint of an earlier version, without it, loads with ``Φ̄ = Φ``: what that version
+    subtracted; with correlated noise it is refused).
 
     **γ'** (the floor): by default relative, ``γ'_t = ρ·Φ̄_t`` with ``ρ = gamma_prime_rel`` = 0.1:
     the denominator is never below ``√ρ ≈ 0.32`` noise standard deviations, so on a coordinate
@@ -110,6 +112,7 @@ class DPAdamBC(_AdamFamily):
     """
 
     _VARIANT = 1
+    _NEWER_GLOBALS = frozenset({"phi_bar"})
 
     def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), gamma_prime=None, gamma_prime_rel=None,
                  weight_decay=0.0, **privacy):  # fmt: skip
@@ -148,6 +151,13 @@ class DPAdamBC(_AdamFamily):
 
     def _load_global_state(self, dp):
         super()._load_global_state(dp)
+        if "phi_bar" not in dp:  # saved by dpkernels before Φ̄: it subtracted Φ of the current σ, C, B
+            if self.correlated_noise is not None:
+                raise ValueError(
+                    "phi_bar is missing (saved by an earlier dpkernels) and with correlated_noise it cannot "
+                    "be reconstructed"
+                )
+            dp = {"phi_bar": [self.phi] * len(self.param_groups)}
         bars = dp["phi_bar"]
         if not isinstance(bars, list) or len(bars) > len(self.param_groups):
             raise ValueError(f"phi_bar must be a list of at most {len(self.param_groups)} floats, got {bars!r}")
