@@ -101,6 +101,10 @@ class _StreamingNoise:
         self._num_buffers = num_buffers
         self._buffers: list[list[Tensor]] | None = None
         self._index = 0  # steps done
+        # noise_variance's cache: the Gram matrix of the buffers (as functions of z) after
+        # _gram_index steps. It depends on the mechanism's parameters only, not on its random state.
+        self._gram_index = 0
+        self._gram = torch.zeros(num_buffers, num_buffers, dtype=torch.float64)
 
     # -- subclass interface -------------------------------------------------------------------
     def _params(self) -> dict[str, Tensor]:
@@ -148,6 +152,37 @@ class _StreamingNoise:
         self._ensure_buffers([torch.Size(s) for s in shapes], torch.device(device))
         order, co = self._call(self._index)
         return [self._buffers[j] for j in order], co
+
+    def noise_variance(self, step) -> float:
+        """The variance ``std²·‖row_t(C⁻¹)‖²`` of every element of the noise of step ``step`` (row
+        ``t = step − start_step`` of :meth:`noising_matrix`, 0-based), in float64.
+
+        Computed by streaming the filter of :meth:`plan` on second moments instead of samples: each
+        buffer ``S_k`` is a linear function ``w_k·Z`` of the past unit draws, and with ``G`` the Gram
+        matrix ``⟨w_k, w_l⟩`` (zero at the start) a step ``y = a·z_t + Σ_j c_j S_j``, ``out = g·y``,
+        ``S_j ← d_j S_j + e_j y + f_j z_t`` has ``‖row_t‖² = g²(a² + cᵀGc)`` (``z_t`` is orthogonal to the
+        past) and ``G ← M G Mᵀ + h hᵀ`` with ``M = diag(d) + e cᵀ``, ``h = a·e + f`` (buffers in the
+        step's order). So it is exact for any steps' coefficients (BLT: ``Σ_{k≤t} (C⁻¹)_{k0}²``; banded:
+        the row norms of ``P⁻¹`` times the column norm ``n_t``) and costs ``O(K³)`` per step for ``K``
+        buffers, with no ``O(t)`` work per step: the Gram matrix is cached, so consecutive calls
+        (``step``, ``step + 1``, …) each advance it once; an earlier step restarts it from step 0.
+        Pure arithmetic on the parameters, the same on every resume: it reads no random state.
+        """
+        index = integer("step", step, low=self.start_step) - self.start_step
+        if index < self._gram_index:
+            self._gram_index, self._gram = 0, torch.zeros_like(self._gram)
+        while True:
+            order, co = self._call(self._gram_index)
+            c, e = torch.tensor(co["c"], dtype=torch.float64), torch.tensor(co["e"], dtype=torch.float64)
+            G = self._gram[order][:, order]
+            if self._gram_index == index:
+                return self.std**2 * co["g"] ** 2 * (co["a"] ** 2 + float(c @ G @ c))
+            M = torch.diag(torch.tensor(co["d"], dtype=torch.float64)) + torch.outer(e, c)
+            h = co["a"] * e + torch.tensor(co["f"], dtype=torch.float64)
+            idx = torch.tensor(order, dtype=torch.long)
+            new = torch.empty_like(self._gram)
+            new[idx[:, None], idx[None, :]] = M @ G @ M.T + torch.outer(h, h)
+            self._gram, self._gram_index = new, self._gram_index + 1
 
     def advance(self) -> None:
         """Mark the planned step as done (its buffers were updated in place)."""

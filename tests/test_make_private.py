@@ -253,6 +253,15 @@ def _args(**over):
             "'stp' needs keyword argument\\(s\\) \\['eps1'\\]: .*per-sample norm at max_grad_norm·eps1",
         ),
         (dict(correlated_noise=object()), TypeError, "BLTNoise or BandedNoise"),
+        (
+            dict(
+                algorithm="macadam",
+                optimizer=lambda ps: torch.optim.Adam(ps, lr=0.004),
+                correlated_noise=BandedNoise([1.0, 0.5], std=1.0, start_step=1),
+            ),
+            ValueError,
+            "'macadam' does not support correlated_noise",
+        ),
     ],
 )
 def test_bad_configuration_raises_before_opacus(over, exc, match):

@@ -33,7 +33,10 @@ CONFIGS = {
     "adam-bc": ("DPAdamBC", dict(lr=1e-2)),
     "stp": ("DPAdamSTP", dict(lr=1e-2, eps1=1e-2)),
     "macadam": ("DPMacAdam", dict(lr=1e-2, h1=1e-8, h2=10.0)),
-    "macadam-bc-b2": ("DPMacAdam", dict(lr=1e-2, h1=1e-8, h2=10.0, bias_correction=True, bc_scale="b2")),
+    "macadam-bc-b2": (
+        "DPMacAdam",
+        dict(lr=1e-2, h1=1e-8, h2=10.0, bias_correction=True, bc_scale="b2", gamma_prime=1e-8),
+    ),
     "dp2-rmsprop": ("DP2", dict(lr=0.1, lr2=0.02, s1=2, s2=3, eps=1e-2, max_grad_norm2=3.0)),
     "dp2-adagrad": ("DP2", dict(lr=0.1, lr2=0.02, s1=3, s2=2, eps=1e-2, preconditioner="adagrad")),
     "pmlf": ("DPPMLF", dict(lr=0.1)),
@@ -127,7 +130,7 @@ def test_follows_reference(backend_device, config, dtype):
 
 
 @pytest.mark.parametrize("noise_kind", ["blt", "banded"])
-@pytest.mark.parametrize("config", ["sgd-momentum-wd", "adam", "stp", "macadam", "dp2-rmsprop", "pmlf"])
+@pytest.mark.parametrize("config", ["sgd-momentum-wd", "adam", "adam-bc", "stp", "dp2-rmsprop", "pmlf"])
 def test_correlated_noise_follows_reference(backend_device, config, noise_kind):
     backend, device = backend_device
     _run_pair(config, backend, device, torch.float32, noise_kind=noise_kind, steps=8)

@@ -30,7 +30,8 @@ CONFIGS = {
     "sgd-momentum": ("DPSGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
     "psac": ("DPSGD", dict(lr=0.1, mode="psac", r=0.1)),
     "adam-blt": ("DPAdam", dict(lr=1e-2, weight_decay=0.1)),
-    "adam-bc": ("DPAdamBC", dict(lr=1e-2)),
+    # DP-AdamBC with BLT noise: Φ̄ from the mechanism, saved in "dp" (independent noise: test_optim.py)
+    "adam-bc-blt": ("DPAdamBC", dict(lr=1e-2, weight_decay=0.1)),
     "stp": ("DPAdamSTP", dict(lr=1e-2, eps1=1e-2)),
     "macadam": ("DPMacAdam", dict(lr=1e-2, h1=1e-8, h2=10.0)),
     "dp2": ("DP2", dict(lr=0.1, lr2=0.02, s1=2, s2=2, eps=1e-2)),  # refreshes at steps 3 and 7

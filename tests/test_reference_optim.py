@@ -376,7 +376,7 @@ def test_macadam_equals_literal_algorithm(bias_correction, bc_scale):
     noises = [[sigma * torch.randn(p.shape, generator=gen, dtype=F64) for p in params] for _ in range(steps)]
     want = _macadam_literal(params, steps, B, sigma, noises, h1, h2, b0, bias_correction, bc_scale)
     opt = O.DPMacAdam(params, lr=1e-2, noise_multiplier=sigma, expected_batch_size=B, h1=h1, h2=h2, b0=b0,
-                      bias_correction=bias_correction, bc_scale=bc_scale)  # fmt: skip
+                      bias_correction=bias_correction, bc_scale=bc_scale, gamma_prime=1e-8)  # fmt: skip
     for t in range(1, steps + 1):
         attach(params, grad_samples(params, B, t))
         opt.step(noise=noises[t - 1])
@@ -580,7 +580,7 @@ OPTIMIZERS = {
     "dpadambc": (O.DPAdamBC, dict(lr=1e-3)),
     "dpadamstp": (O.DPAdamSTP, dict(lr=1e-2, eps1=0.1, mode="auto_s")),
     "macadam": (O.DPMacAdam, dict(lr=1e-2, h2=1.0)),
-    "macadambc": (O.DPMacAdam, dict(lr=1e-2, bias_correction=True, bc_scale="b2")),
+    "macadambc": (O.DPMacAdam, dict(lr=1e-2, bias_correction=True, bc_scale="b2", gamma_prime=1e-8)),
     "dp2": (O.DP2, dict(lr=0.1, lr2=0.01, s1=2, s2=2, preconditioner="adagrad")),
     "pmlf": (O.DPPMLF, dict(lr=0.1, k=2, filter="a72b0505")),
     "pmlf_k1": (O.DPPMLF, dict(lr=0.1, k=1, filter="a6b0501", mode="auto_v")),
@@ -659,6 +659,9 @@ BASE = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
         (O.DPAdam, dict(betas=(0.9, 1.0)), ValueError, "betas\\[1\\]"),
         (O.DPAdam, dict(betas=(0.9,)), ValueError, "betas must be a pair"),
         (O.DPAdamBC, dict(gamma_prime=0.0), ValueError, "gamma_prime"),
+        (O.DPAdamBC, dict(gamma_prime_rel=-0.1), ValueError, "gamma_prime_rel"),
+        (O.DPAdamBC, dict(gamma_prime=1e-8, gamma_prime_rel=0.1), ValueError, "not both"),
+        (O.DPMacAdam, dict(bias_correction=True, bc_scale="b2"), ValueError, "pass an absolute gamma_prime"),
         (O.DPAdamSTP, dict(eps1=0.0), ValueError, "eps1"),
         (O.DPAdamSTP, dict(), TypeError, "eps1"),  # required: no value suits every gradient scale
         (O.DPMacAdam, dict(betas=(0.0, 0.999)), ValueError, "betas\\[0\\] > 0"),

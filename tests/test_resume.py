@@ -45,7 +45,7 @@ OTHER_SEED = 777
 BACKENDS = ck.BACKENDS
 #: case -> (test_optim_checkpoint config, extra constructor arguments)
 TRAJECTORIES = {
-    "adam-blt": ("adam-blt", {}),
+    "adam-blt": ("adam-bc-blt", {}),  # DP-AdamBC: also its Φ̄ (state_dict()["dp"]["phi_bar"])
     "macadam": ("macadam", {}),
     "sgd-chacha20": ("sgd-momentum", {"rng": "chacha20", "secure_key": 2**255 + 12345}),
 }

@@ -19,10 +19,11 @@ an ``opacus.optimizers.DPOptimizer`` whose ``original_optimizer`` is the fused d
                                                                   preconditioner``
 ``pmlf``       ``DPPMLF``                  SGD (lr; no momentum)  ``k, beta, filter``
 ``dpadam``     ``DPAdam``                  Adam / AdamW
-``dpadam_bc``  ``DPAdamBC``                Adam / AdamW (no eps)  ``gamma_prime``
+``dpadam_bc``  ``DPAdamBC``                Adam / AdamW (no eps)  ``gamma_prime``, ``gamma_prime_rel``
 ``stp``        ``DPAdamSTP``               Adam / AdamW (eps→ε₂)  ``eps1`` (required)
 ``macadam``    ``DPMacAdam``               Adam (no decay)        ``h1, h2, b0, bias_correction,
-                                                                  gamma_prime, bc_scale``
+                                                                  gamma_prime, gamma_prime_rel,
+                                                                  bc_scale`` (no correlated noise)
 =============  ==========================  =====================  =====================================
 
 Adam's ``weight_decay`` (an L2 term coupled into the gradient) is refused: the engines decay
@@ -122,7 +123,7 @@ _SPECS = {
     ),
     "pmlf": _Spec(dpk_optim.DPPMLF, "sgd", ("k", "beta", "filter")),
     "dpadam": _Spec(dpk_optim.DPAdam, "adam", ()),
-    "dpadam_bc": _Spec(dpk_optim.DPAdamBC, "adam", ("gamma_prime",)),
+    "dpadam_bc": _Spec(dpk_optim.DPAdamBC, "adam", ("gamma_prime", "gamma_prime_rel")),
     "stp": _Spec(
         dpk_optim.DPAdamSTP,
         "adam",
@@ -132,7 +133,9 @@ _SPECS = {
         "‖g/(√v̂+eps1)‖ at max_grad_norm; tune it with max_grad_norm (e.g. max_grad_norm·eps1 = the clip DP-Adam "
         "would use). See dpkernels.optim.DPAdamSTP",
     ),
-    "macadam": _Spec(dpk_optim.DPMacAdam, "adam", ("h1", "h2", "b0", "bias_correction", "gamma_prime", "bc_scale")),
+    "macadam": _Spec(
+        dpk_optim.DPMacAdam, "adam", ("h1", "h2", "b0", "bias_correction", "gamma_prime", "gamma_prime_rel", "bc_scale")
+    ),
 }
 
 #: the ``algorithm=`` names :func:`make_private` accepts
@@ -449,6 +452,11 @@ def _engine_args(algorithm, optimizer, algo_kwargs, correlated_noise) -> tuple[_
         raise TypeError(f"algorithm {algorithm!r} needs keyword argument(s) {missing}" + (spec.why and f": {spec.why}"))
     if correlated_noise is not None and not isinstance(correlated_noise, _StreamingNoise):
         raise TypeError(f"correlated_noise must be a BLTNoise or BandedNoise, got {type(correlated_noise).__name__}")
+    if correlated_noise is not None and algorithm == "macadam":
+        raise ValueError(
+            "algorithm 'macadam' does not support correlated_noise: DPMacAdam's kappa_t and noise-variance "
+            "subtraction assume noise independent across steps (see DPMacAdam)"
+        )
     hypers = (_check_sgd if spec.family == "sgd" else _check_adam)(algorithm, optimizer)
     kwargs = dict(algo_kwargs)
     if algorithm == "psac":

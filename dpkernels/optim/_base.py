@@ -172,6 +172,35 @@ def bias(beta: float, t: int) -> float:
     return 1.0 - beta**t
 
 
+#: the default ``ρ`` of the relative floor ``γ'_t = ρ·Φ̄_t`` of DP-AdamBC and DP-MacAdamBC (DPAdamBC's docstring)
+GAMMA_PRIME_REL = 0.1
+
+
+def gamma_prime_defaults(gamma_prime, gamma_prime_rel, default_rel: float) -> dict:
+    """The group defaults ``gamma_prime`` (absolute ``γ'``, or None) and ``gamma_prime_rel`` (``ρ`` of
+    the relative ``γ'_t = ρ·Φ̄_t``, or None): at most one of the two may be given."""
+    if gamma_prime is not None and gamma_prime_rel is not None:
+        raise ValueError("give gamma_prime (an absolute floor) or gamma_prime_rel (relative to the noise variance), "
+                         "not both")  # fmt: skip
+    if gamma_prime is not None:
+        return dict(gamma_prime=_check_number("gamma_prime", gamma_prime, low=0.0, low_open=True),
+                    gamma_prime_rel=None)  # fmt: skip
+    rel = default_rel if gamma_prime_rel is None else gamma_prime_rel
+    return dict(gamma_prime=None, gamma_prime_rel=_check_number("gamma_prime_rel", rel, low=0.0, low_open=True))
+
+
+#: the relative floor's value when the noise variance is 0 (σ = 0): only keeps 0/0 out
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def gamma_prime_of(group: dict, phi: float) -> float:
+    """``γ'`` of ``group`` for the noise variance ``phi``: its absolute ``gamma_prime``, else
+    ``max(gamma_prime_rel·phi, tiny)``."""
+    if group["gamma_prime"] is not None:
+        return group["gamma_prime"]
+    return max(group["gamma_prime_rel"] * phi, _TINY)
+
+
 class DPOptimizer(torch.optim.Optimizer):
     """Base class: validation, per-sample gradient intake, the clip stage, the family op, noise,
     state (de)serialisation. Subclasses implement :meth:`_update` (and, with ``_accepts_sums``,
@@ -195,6 +224,8 @@ class DPOptimizer(torch.optim.Optimizer):
     _STATE_KEYS: tuple[str, ...] = ()
     #: defaults of privacy arguments that differ from :class:`PrivacyArgs`' (DP-MacAdam's C = 1)
     _PRIVACY_DEFAULTS: dict = {}
+    #: global state fields that checkpoints of earlier versions lack (:meth:`_load_global_state` fills them in)
+    _NEWER_GLOBALS: frozenset = frozenset()
 
     def __init_subclass__(cls, **kwargs):
         """Show the shared privacy arguments in each optimizer's signature (``help``, ``inspect``)."""
@@ -558,7 +589,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         step = _validate.integer("state_dict['dp']['step']", dp.get("step"), low=0, high=2**32)
         seed = _validate.integer("state_dict['dp']['seed']", dp.get("seed"), low=0, high=2**64)
-        missing = sorted(self._global_state().keys() - dp.keys())
+        missing = sorted(self._global_state().keys() - dp.keys() - self._NEWER_GLOBALS)
         if missing:
             raise ValueError(f"state_dict['dp'] lacks the field(s) {missing} of a {name}")
         saved_rng = "philox" if dp["secure_key"] is None else "chacha20"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._kernel_args import ADAM
-from ._base import DPOptimizer, _check_number, bias, check_betas
+from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
 
 __all__ = ["DPAdam", "DPAdamBC", "DPAdamSTP"]
 
@@ -30,14 +30,15 @@ class _AdamFamily(DPOptimizer):
         """``(σ·Δ/B)²``: the noise variance per coordinate of ``g̃`` for noise std ``σ·Δ`` on the sum."""
         return (self.noise_multiplier * delta / self.expected_batch_size) ** 2
 
-    def _hyper(self, group: dict, t: int, delta: float) -> dict:
+    def _hyper(self, group: dict, t: int, delta: float, *, phi: float = 0.0, gamma: float = 0.0) -> dict:
+        """The ``ADAM`` scalars of ``group`` at step ``t``; ``phi``/``gamma``: DP-AdamBC's ``Φ̄_t`` and ``γ'_t``."""
         b1, b2 = group["betas"]
         return dict(
             inv_b=1.0 / self.expected_batch_size, lr=group["lr"], beta1=b1, one_minus_beta1=1 - b1, beta2=b2,
             one_minus_beta2=1 - b2, bias1=bias(b1, t), bias2=bias(b2, t), bias2_prev=bias(b2, t - 1),
             eps=group.get("eps", group.get("eps2", 0.0)),
             decay=1 - group["lr"] * group["weight_decay"] if group["weight_decay"] else 1.0,
-            phi=self._phi(delta) if self._VARIANT == 1 else 0.0, gamma=group.get("gamma_prime", 0.0),
+            phi=phi, gamma=gamma,
             eps1=group.get("eps1", 0.0), variant=self._VARIANT,
         )  # fmt: skip
 
@@ -74,24 +75,93 @@ class DPAdamBC(_AdamFamily):
     """DP-AdamBC (Tang et al. 2024, arXiv:2312.14334; arXiv:2507.01129 Alg. 7): DP-Adam with the noise
     variance removed from the second moment::
 
-        θ ← θ(1 − ηλ) − η m̂ / sqrt(max(v̂ − Φ, γ')),     Φ = (σC/B)²
+        θ ← θ(1 − ηλ) − η m̂_t / sqrt(max(v̂_t − Φ̄_t, γ'_t))
+        Φ_k = (σ_k Δ_k / B_k)² · r_k        the noise variance per coordinate of g̃_k (step k)
+        Φ̄_t = Σ_{k≤t} (1−β2) β2^{t−k} Φ_k / (1−β2^t)    the same average of Φ_k as v̂_t takes of g̃_k²
 
-    ``gamma_prime`` (γ') defaults to **1e-8**: the papers leave it open; Ganesh et al. tune the
-    equivalent ``max(·, ε²)`` and report ε = 1e-4 best in all their settings, i.e. γ' = 1e-8.
-    State as DPAdam.
+    computed as ``Φ̄_0 = 0``, ``Φ̄_t = Φ̄_{t−1} + (1−β2)/(1−β2^t)·(Φ_t − Φ̄_{t−1})``, i.e. Ganesh et al.'s
+    recursion ``b_t = (β2−β2^t)/(1−β2^t)·b_{t−1} + (1−β2)/(1−β2^t)·Φ_t`` (arXiv:2507.01129 App. A, as
+    corrected in reference/seeds_design_principles.md §1.5: ``b_i`` → ``b_t``, no extra
+    ``β2``, the diagonal of ``C⁻¹C⁻ᵀ``). ``r_k = 1`` for independent noise; with ``correlated_noise``,
+    ``r_k = ‖row_k(C⁻¹)‖²`` (:meth:`dpkernels.BLTNoise.noise_variance`): the noise of ``g̃_k`` is
+    ``σΔ/B·(C⁻¹Z)_k``, and ``v`` sums squares of single steps, so only each step's own variance
+    enters its expectation, not the covariance across steps. ``Δ`` is ``max_grad_norm`` (the
+    ``sensitivity`` of :meth:`step_from_sums`); ``σ``, ``Δ``, ``B`` are read at each step.
+
+    With independent noise and constant ``σ, Δ, B`` the recursion gives ``Φ̄_t = Φ`` exactly (bit for
+    bit: ``Φ̄_1 = 0 + 1·(Φ − 0)``, then ``Φ̄_{t−1} + w·0``), as the earlier ``Φ = (σC/B)²``. When they
+    change (:meth:`set_step_params`, ``step_from_sums`` with another ``sensitivity``), ``Φ̄_t`` moves
+    from the old to the new variance at the rate ``v̂_t`` forgets the old noise, instead of
+    jumping. ``Φ̄`` is kept per param group (β2 may differ), starts at 0 with the group's state (a
+    group added later averages only the steps its ``v`` saw) and is saved in ``state_dict()["dp"]``
+    (a checkpoint of an earlier version, without it, loads with ``Φ̄ = Φ``: what that version
+    subtracted; with correlated noise it is refused).
+
+    **γ'** (the floor): by default relative, ``γ'_t = ρ·Φ̄_t`` with ``ρ = gamma_prime_rel`` = 0.1:
+    the denominator is never below ``√ρ ≈ 0.32`` noise standard deviations, so on a coordinate
+    without signal (``v̂ ≈ Φ̄``, where ``v̂ − Φ̄`` is negative about half of the time) the step is at
+    most ``1/√ρ ≈ 3.2×`` DP-Adam's there. ``ρ = 0.1`` is also about 3 standard deviations of the
+    noise of ``v̂_t − Φ̄_t`` on a zero-gradient coordinate (``Φ·sqrt(2(1−β2)/(1+β2)) ≈ 0.032Φ`` at
+    β2 = 0.999, independent noise): a smaller second moment cannot be told from 0 anyway. ``ρ = 1``
+    would re-introduce DP-Adam's bias on every coordinate below the noise (Ganesh et al. §4.4.2).
+    An absolute floor (the former default, ``gamma_prime=1e-8``, Ganesh et al.'s tuned ``ε² =
+    (1e-4)²``) amplified small coordinates by ``sqrt(Φ/1e-8)``, 150–630× at our runs' noise levels.
+    ``gamma_prime=`` sets an absolute ``γ'`` instead (then ``gamma_prime_rel`` must not be given).
+    With ``σ = 0`` the relative floor is the smallest normal fp32 (there is nothing to remove; it
+    only keeps ``0/0`` out). State as DPAdam.
     """
 
     _VARIANT = 1
+    _NEWER_GLOBALS = frozenset({"phi_bar"})
 
-    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), gamma_prime=1e-8, weight_decay=0.0, **privacy):
-        _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
-        super().__init__(params, dict(lr=lr, gamma_prime=gamma_prime), privacy, betas=betas,
-                         weight_decay=weight_decay)  # fmt: skip
+    def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), gamma_prime=None, gamma_prime_rel=None,
+                 weight_decay=0.0, **privacy):  # fmt: skip
+        defaults = dict(lr=lr, **gamma_prime_defaults(gamma_prime, gamma_prime_rel, GAMMA_PRIME_REL))
+        self._phi_bar: list[float] = []
+        super().__init__(params, defaults, privacy, betas=betas, weight_decay=weight_decay)
 
     @property
     def phi(self) -> float:
-        """``Φ = (σ·C/B)²``, the variance of the noise in each coordinate of ``g̃`` of :meth:`step`."""
+        """``Φ = (σ·C/B)²``, the variance of independent noise in each coordinate of ``g̃`` of :meth:`step`
+        (with ``correlated_noise``, step ``t``'s is ``Φ·r_t``)."""
         return self._phi(self.max_grad_norm)
+
+    @property
+    def phi_bar(self) -> list[float]:
+        """``Φ̄_t`` of each param group after the last step (0 before the first): what it subtracted."""
+        return [*self._phi_bar, *[0.0] * (len(self.param_groups) - len(self._phi_bar))]
+
+    def _update_from_sums(self, params, sums, t, noise, delta):
+        mech = self.correlated_noise
+        # Pre-drawn noise replaces the mechanism's (and does not advance it): σΔz, independent.
+        r = mech.noise_variance(t) if mech is not None and noise is None else 1.0
+        phi_t = self._phi(delta) * r
+        bars = {}
+        for group, bar in zip(self.param_groups, self.phi_bar, strict=True):
+            b2 = group["betas"][1]
+            bars[id(group)] = bar + (1 - b2) / bias(b2, t) * (phi_t - bar)
+        gamma = {id(g): gamma_prime_of(g, bars[id(g)]) for g in self.param_groups}
+        std = self.noise_multiplier * delta
+        hyper = lambda g: self._hyper(g, t, delta, phi=bars[id(g)], gamma=gamma[id(g)])  # noqa: E731
+        self._run(ADAM, params, sums, hyper, noise, std, t)
+        self._phi_bar = [bars[id(g)] for g in self.param_groups]
+
+    def _global_state(self):
+        return {**super()._global_state(), "phi_bar": self.phi_bar}
+
+    def _load_global_state(self, dp):
+        super()._load_global_state(dp)
+        if "phi_bar" not in dp:  # saved by dpkernels before Φ̄: it subtracted Φ of the current σ, C, B
+            if self.correlated_noise is not None:
+                raise ValueError(
+                    "phi_bar is missing (saved by an earlier dpkernels) and with correlated_noise it cannot "
+                    "be reconstructed"
+                )
+            dp = {"phi_bar": [self.phi] * len(self.param_groups)}
+        bars = dp["phi_bar"]
+        if not isinstance(bars, list) or len(bars) > len(self.param_groups):
+            raise ValueError(f"phi_bar must be a list of at most {len(self.param_groups)} floats, got {bars!r}")
+        self._phi_bar = [_check_number(f"phi_bar[{i}]", b, low=0.0) for i, b in enumerate(bars)]
 
 
 class DPAdamSTP(_AdamFamily):

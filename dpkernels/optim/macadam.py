@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .._kernel_args import MACADAM
 from ..reference.optim import macadam_kappa
-from ._base import DPOptimizer, _check_number, bias, check_betas
+from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
 
 __all__ = ["DPMacAdam", "macadam_h_defaults"]
 
@@ -55,11 +55,20 @@ class DPMacAdam(DPOptimizer):
     ``bc_scale="b2"`` uses the per-coordinate noise variance ``Φ = b_{t−1}²σ²C²/B²`` of ``g̃``.
     ``max_grad_norm`` is the clip threshold in the transformed space: 1 in the paper (the default);
     another C scales the clip and noise together (it is equivalent to ``b → C·b``).
-    Defaults: β = (0.9, 0.999), γ = 1e-8, γ' = 1e-8 (as DPAdamBC) and ``h1, h2`` =
-    :func:`macadam_h_defaults` ``(d)`` = ``(7.9501e-4/d, 0.79501/d)``: the paper's MNIST values
-    (1e-9, 1e-6 at its ``d = 795,010``) scaled so that the clip radius they allow in gradient units,
-    ``C·[√(d·h1), √(d·h2)]``, does not change with ``d``. A given ``h1``/``h2`` is used as is (the
-    paper tunes them per dataset: 5e-5, 1.0 on CIFAR-10, ``d = 582,346``).
+    Defaults: β = (0.9, 0.999), γ = 1e-8 and ``h1, h2`` = :func:`macadam_h_defaults` ``(d)`` =
+    ``(7.9501e-4/d, 0.79501/d)``: the paper's MNIST values (1e-9, 1e-6 at its ``d = 795,010``)
+    scaled so that the clip radius they allow in gradient units, ``C·[√(d·h1), √(d·h2)]``, does not
+    change with ``d``. A given ``h1``/``h2`` is used as is (the paper tunes them per dataset: 5e-5,
+    1.0 on CIFAR-10, ``d = 582,346``). γ' (BC only) as :class:`DPAdamBC`: by default relative,
+    ``γ' = ρ·Φ`` with ``ρ = gamma_prime_rel = 0.1`` (the denominator never below ``√ρ`` noise
+    standard deviations); ``gamma_prime=`` sets an absolute one. With ``bc_scale="b2"`` ``Φ`` is per
+    coordinate and the kernels' floor is one scalar, so ``gamma_prime=`` is required there.
+
+    **No correlated noise.** ``κ_t`` and the subtraction ``b²σ²C²/B²`` in ``ŝ_t`` are derived for
+    noise independent across steps (arXiv:2606.05435 App. A: ``E[s_t]`` sums the variances of
+    ``u_k = (g̃_k − m̂_k)²``, with ``m̂_k`` an average of independent past noises). Under DP-MF
+    noise ``(C⁻¹Z)_k`` the noise in ``g̃_k − m̂_k`` has cross-step covariance terms that neither
+    corrects, so ``correlated_noise=`` is refused (ValueError) rather than run with a wrong ŝ.
 
     State: ``exp_avg``, ``exp_avg_sq``, ``s``; ``b = b_unnorm·bscale`` split into the per-element
     ``b_unnorm = ŝ^{1/4}`` and the global ``bscale = √(Σ√ŝ)`` (``state_dict()["dp"]``; the step
@@ -71,12 +80,25 @@ class DPMacAdam(DPOptimizer):
     _PRIVACY_DEFAULTS = {"max_grad_norm": 1.0}
 
     def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps=1e-8, h1=None, h2=None, b0=None,
-                 bias_correction=False, gamma_prime=1e-8, bc_scale="paper", **privacy):  # fmt: skip
+                 bias_correction=False, gamma_prime=None, gamma_prime_rel=None, bc_scale="paper",
+                 **privacy):  # fmt: skip
+        if privacy.get("correlated_noise") is not None:
+            raise ValueError(
+                "DPMacAdam does not support correlated_noise: its kappa_t and the noise-variance subtraction "
+                "b^2 sigma^2 C^2 / B^2 in s_hat assume noise independent across steps, and under correlated "
+                "(matrix-factorisation) noise the EMA of (g~ - m_hat)^2 has cross-step covariance terms that "
+                "neither corrects; use DPAdam, DPAdamBC or DPAdamSTP with correlated noise"
+            )
         betas = check_betas(betas)
         if betas[0] == 0.0:
             raise ValueError("DPMacAdam needs betas[0] > 0: with beta1 = 0, kappa_t = 0 for every t")
         _check_number("eps", eps, low=0.0)
-        _check_number("gamma_prime", gamma_prime, low=0.0, low_open=True)
+        floor = gamma_prime_defaults(gamma_prime, gamma_prime_rel, GAMMA_PRIME_REL)
+        if bias_correction and bc_scale == "b2" and gamma_prime is None:
+            raise ValueError(
+                "bc_scale='b2' subtracts a per-coordinate noise variance b^2 (sigma C / B)^2, which a scalar floor "
+                "relative to it cannot follow: pass an absolute gamma_prime="
+            )
         if b0 is not None:
             _check_number("b0", b0, low=0.0, low_open=True)
         if bc_scale not in ("paper", "b2"):
@@ -85,7 +107,7 @@ class DPMacAdam(DPOptimizer):
         self.bias_correction = bool(bias_correction)
         self.bc_scale = bc_scale
         self.bscale = 1.0  # b = b_unnorm · bscale; bscale = √(Σ√ŝ) of the last update
-        defaults = dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, gamma_prime=gamma_prime)
+        defaults = dict(lr=lr, betas=betas, eps=eps, h1=h1, h2=h2, **floor)
         super().__init__(params, defaults, privacy)
         # None: the d-scaled default, d = the optimizer's parameters at construction (as b0's 1/d).
         self._d = sum(p.numel() for p in self._params())
@@ -134,13 +156,14 @@ class DPMacAdam(DPOptimizer):
         c_total = float(c_total)
         bc = 0 if not self.bias_correction else (1 if self.bc_scale == "paper" else 2)
         kappas = {id(g): macadam_kappa(t, g["betas"][0]) for g in self.param_groups}
+        noise_var = (sigma * C / B) ** 2
 
         def hyper(g):
             b1, b2 = g["betas"]
             return dict(
                 inv_b=1.0 / B, lr=g["lr"], beta1=b1, one_minus_beta1=1 - b1, beta2=b2, one_minus_beta2=1 - b2,
-                bias1=bias(b1, t), bias2=bias(b2, t), eps=g["eps"], noise_var=(sigma * C / B) ** 2,
-                gamma=g["gamma_prime"], h1=g["h1"], h2=g["h2"], kappa=kappas[id(g)], c_total=c_total,
+                bias1=bias(b1, t), bias2=bias(b2, t), eps=g["eps"], noise_var=noise_var,
+                gamma=gamma_prime_of(g, noise_var), h1=g["h1"], h2=g["h2"], kappa=kappas[id(g)], c_total=c_total,
                 bscale=self.bscale, bc=bc,
             )  # fmt: skip
 
