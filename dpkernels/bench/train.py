@@ -15,7 +15,7 @@ epochs.
 Tuning (the same procedure and budget for every algorithm). :data:`SEARCH` lists each algorithm's
 own hyper-parameters as geometric (or integer) grids around a centre: the learning rate always, and
 the clip C (DP-SGD, DP-Adam, STP), STP's ε₁, MacAdam's h₁ and h₂ (factors on its defaults for the
-model's d), DP-AdamBC's γ' (a factor on its default), DP²'s lr₂ and C₂, PMLF's β and k, and the r of
+model's d), DP-AdamBC's relative γ' (``ρ`` of ``γ' = ρ·Φ̄``), DP²'s lr₂ and C₂, PMLF's β and k, and the r of
 DP-PSAC and Auto-S. :func:`search` (coordinate search from the centre, each axis swept and extended
 outward while that improves, so a chosen edge is extended until the optimum is interior) tries at
 most ``budget`` configurations per (algorithm, ε). A configuration's score is its mean validation
@@ -93,8 +93,9 @@ class Axis:
 
 _LR_SGD, _LR_ADAM, _CLIP = Axis("lr", 1.0), Axis("lr", 0.003), Axis("max_grad_norm", 1.0)
 #: Each algorithm's own hyper-parameters, tuned by the same procedure (:func:`search`) with the same
-#: budget of configurations. MacAdam's h1/h2 and DP-AdamBC's γ' are factors on the optimizer's own
-#: defaults (:func:`_resolve`); DP²'s lr2 is a factor on lr.
+#: budget of configurations. MacAdam's h1/h2 are factors on its defaults for the model's d
+#: (:func:`_resolve`), DP-AdamBC's γ' is relative to its noise variance (``γ' = ρ·Φ̄``), DP²'s lr2 is
+#: a factor on lr.
 SEARCH: dict[str, tuple[Axis, ...]] = {
     BASELINE: (_LR_ADAM,),
     "dpsgd": (_LR_SGD, _CLIP),
@@ -103,7 +104,7 @@ SEARCH: dict[str, tuple[Axis, ...]] = {
     "dp2": (_LR_SGD, Axis("lr2_factor", 1.0), Axis("max_grad_norm2", 1.0)),
     "pmlf": (_LR_SGD, Axis("beta", 0.1, 3.0, high=0.9), Axis("k", 2, integer=True, low=1)),
     "dpadam": (_LR_ADAM, _CLIP),
-    "dpadam_bc": (_LR_ADAM, Axis("gamma_prime_factor", 1.0, 100.0)),
+    "dpadam_bc": (_LR_ADAM, Axis("gamma_prime_rel", 0.1, 10.0)),
     "stp": (_LR_ADAM, _CLIP, Axis("eps1", 1e-3, 10.0)),
     "macadam": (_LR_ADAM, Axis("h1_factor", 1.0, 10.0), Axis("h2_factor", 1.0, 10.0)),
 }
@@ -219,13 +220,11 @@ def _resolve(algorithm: str, hp: dict, model: nn.Module, steps_per_epoch: int) -
     kw = dict(VARIANTS[algorithm][1]) if algorithm in VARIANTS else {}
     if algorithm == "dp2":
         kw.update(s1=steps_per_epoch, s2=steps_per_epoch, lr2=lr * hp.pop("lr2_factor"))
-    if algorithm in ("macadam", "dpadam_bc"):  # factors on the optimizer's own defaults for this model
-        from .. import optim
+    if algorithm == "macadam":  # factors on its defaults for this model's d
+        from ..optim.macadam import macadam_h_defaults
 
-        cls, names = (optim.DPMacAdam, ("h1", "h2")) if algorithm == "macadam" else (optim.DPAdamBC, ("gamma_prime",))
-        group = cls(list(model.parameters()), lr=lr, noise_multiplier=1.0, max_grad_norm=1.0,
-                    expected_batch_size=1).param_groups[0]  # fmt: skip
-        kw.update({n: group[n] * hp.pop(f"{n}_factor") for n in names})
+        h1, h2 = macadam_h_defaults(sum(p.numel() for p in model.parameters()))
+        kw.update(h1=h1 * hp.pop("h1_factor"), h2=h2 * hp.pop("h2_factor"))
     if "k" in hp:
         hp["k"] = int(hp["k"])
     return lr, {**kw, **hp}
