@@ -190,7 +190,7 @@ def runtime_libstdcxx() -> list[str]:
     of libstdc++ code into the module. That copy met the process's libstdc++ data there: the first
     error message the module formatted (``TORCH_CHECK`` streams into an ostringstream) called the
     wrong locale facet and died with SIGSEGV. Named first, the loaded library resolves every symbol
-    it has, so nothing is copied (docs/BENCHMARKS.md, "GPU check").
+    it has, so nothing is copied (docs/BENCHMARKS.md, "Second GPU run").
     """
     if not sys.platform.startswith("linux"):
         return []
