@@ -11,6 +11,7 @@ pytest.importorskip("sklearn")
 
 from dpkernels.bench.train import (  # noqa: E402
     BASELINE,
+    CONSTRAINTS,
     SEARCH,
     SGD_FAMILY,
     VARIANTS,
@@ -83,6 +84,15 @@ def test_search_respects_the_budget_and_bounds_and_flags_an_unconfirmed_edge():
     best, scores, edge = search(axes, evaluate, budget=50)
     assert best == (5, -1) and not edge  # k = 1: the bound, not a missing evaluation
     assert all(axes[1].valid(i[1]) for i in scores)
+
+
+def test_search_never_tries_a_point_outside_a_joint_constraint():
+    axes = (Axis("h1_factor", 1.0, 10.0), Axis("h2_factor", 1.0, 10.0))
+    evaluate, calls = _quadratic((4, -4))  # beyond h1 <= h2
+    best, scores, edge = search(axes, evaluate, budget=30, allowed=lambda idx: idx[0] <= idx[1])
+    assert best == (0, 0) and not edge and all(i <= j for i, j in calls)
+    assert CONSTRAINTS["macadam"]({"h1_factor": 10.0, "h2_factor": 0.1})  # h1/h2 = 1e-1 of the defaults' 1e-3
+    assert not CONSTRAINTS["macadam"]({"h1_factor": 1e4, "h2_factor": 10.0})
 
 
 def test_ci95_and_verdicts():

@@ -108,6 +108,10 @@ SEARCH: dict[str, tuple[Axis, ...]] = {
     "stp": (_LR_ADAM, _CLIP, Axis("eps1", 1e-3, 10.0)),
     "macadam": (_LR_ADAM, Axis("h1_factor", 1.0, 10.0), Axis("h2_factor", 1.0, 10.0)),
 }
+#: Joint constraints of a configuration: MacAdam's clamp needs h1 <= h2 (strictly below here, so a
+#: rounding at equality cannot reach the optimizer's own check).
+CONSTRAINTS = {"macadam": lambda hp: hp["h1_factor"] * _H1_OVER_H2 < hp["h2_factor"]}
+_H1_OVER_H2 = 1e-3  # macadam_h_defaults(d): (7.9501e-4/d, 0.79501/d), for every d
 #: The seeds that select a configuration (validation accuracy, mean over them) and, disjoint from
 #: them and shared by every algorithm (paired comparisons), those that measure it.
 TUNING_SEEDS = (0, 1)
@@ -326,8 +330,10 @@ def train_one(algorithm: str, target_epsilon: float, hp: dict, seed: int, split:
     )
 
 
-def search(axes: tuple[Axis, ...], evaluate, budget: int) -> tuple[tuple[int, ...], dict, bool]:
-    """Coordinate search over the grid indices of ``axes``, at most ``budget`` configurations.
+def search(axes: tuple[Axis, ...], evaluate, budget: int, allowed=None) -> tuple[tuple[int, ...], dict, bool]:
+    """Coordinate search over the grid indices of ``axes``, at most ``budget`` configurations
+    (``allowed(index)``: an extra joint constraint; a point outside it, or outside an axis's bounds,
+    is never tried nor counted).
 
     Start at the centre; sweep each axis in turn (its two neighbours), move to the best, and keep
     stepping outward along an axis while that improves, so a chosen point on the edge of what has
@@ -337,8 +343,11 @@ def search(axes: tuple[Axis, ...], evaluate, budget: int) -> tuple[tuple[int, ..
     the evaluated points along some axis (the budget ran out first)."""
     scores: dict[tuple[int, ...], tuple] = {}
 
+    def valid(idx):
+        return all(a.valid(i) for a, i in zip(axes, idx, strict=True)) and (allowed is None or allowed(idx))
+
     def score(idx):
-        if idx not in scores and len(scores) < budget and all(a.valid(i) for a, i in zip(axes, idx, strict=True)):
+        if idx not in scores and len(scores) < budget and valid(idx):
             scores[idx] = evaluate(idx)
         return scores.get(idx)
 
@@ -356,8 +365,8 @@ def search(axes: tuple[Axis, ...], evaluate, budget: int) -> tuple[tuple[int, ..
                         break
                     best, improved = cand, True
     edge = any(
-        (best[:k] + (best[k] + d,) + best[k + 1 :]) not in scores and a.valid(best[k] + d)
-        for k, a in enumerate(axes)
+        (nb := best[:k] + (best[k] + d,) + best[k + 1 :]) not in scores and valid(nb)
+        for k in range(len(axes))
         for d in (1, -1)
     )
     return best, scores, edge
@@ -373,13 +382,19 @@ def study_one(algorithm: str, eps: float, split: Split, cfg: TrainConfig) -> dic
     the shared test seeds. Returns the record of :func:`run`'s JSON."""
     axes = SEARCH[algorithm]
     tuning: list[RunResult] = []
+    failed: list[dict] = []
 
     def evaluate(idx):
-        runs = [train_one(algorithm, eps, _hp(axes, idx), s, split, cfg) for s in TUNING_SEEDS[: cfg.tuning_seeds]]
+        try:
+            runs = [train_one(algorithm, eps, _hp(axes, idx), s, split, cfg) for s in TUNING_SEEDS[: cfg.tuning_seeds]]
+        except (ValueError, RuntimeError) as exc:  # e.g. a clipped sum beyond fp32 at an extreme setting
+            failed.append({"hp": _hp(axes, idx), "error": str(exc)[:300]})
+            return (-math.inf, -math.inf)
         tuning.extend(runs)
         return (statistics.fmean(r.val_accuracy for r in runs), -statistics.fmean(r.val_loss for r in runs))
 
-    best, scores, edge = search(axes, evaluate, cfg.budget)
+    constraint = CONSTRAINTS.get(algorithm)
+    best, scores, edge = search(axes, evaluate, cfg.budget, constraint and (lambda idx: constraint(_hp(axes, idx))))
     hp = _hp(axes, best)
     finals = [train_one(algorithm, eps, hp, TEST_SEED_BASE + i, split, cfg) for i in range(cfg.seeds)]
     accs = [r.test_accuracy for r in finals]
@@ -389,6 +404,7 @@ def study_one(algorithm: str, eps: float, split: Split, cfg: TrainConfig) -> dic
         "hp": hp,
         "configurations_tried": len(scores),
         "chosen_on_edge": edge,
+        "failed_configurations": failed,
         "test_accuracy": accs,
         "test_accuracy_mean": statistics.fmean(accs),
         "test_accuracy_ci95": ci95(accs),
