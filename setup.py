@@ -48,6 +48,7 @@ def _extensions():
         )
 
     sources = cfg.sources(cuda=build_cuda, root=ROOT)
+    link_args = [*cfg.LINK_FLAGS, *cfg.runtime_libstdcxx()]
     include_dirs = cfg.include_dirs(ROOT)
     extra = {"cxx": cfg.cxx_flags()}
     define_macros = []
@@ -66,7 +67,7 @@ def _extensions():
         sources,
         include_dirs=include_dirs,
         extra_compile_args=extra,
-        extra_link_args=[*cfg.LINK_FLAGS, *cfg.runtime_libstdcxx()],
+        extra_link_args=link_args,
         define_macros=define_macros,
     )
     cpu = [
@@ -75,7 +76,7 @@ def _extensions():
             cfg.cpu_kernel_sources(ROOT),
             include_dirs=cfg.include_dirs(ROOT),
             extra_compile_args={"cxx": cfg.cxx_flags(capability)},
-            extra_link_args=[*cfg.LINK_FLAGS, *cfg.runtime_libstdcxx()],
+            extra_link_args=link_args,
         )
         for capability in cfg.CPU_CAPABILITIES
     ]

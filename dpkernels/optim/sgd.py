@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .._kernel_args import FILTER, SGD
-from ..reference.optim import PMLF_PRESETS, pmlf_momentum_coeffs
+from ..reference.optim import PMLF_PRESETS, pmlf_momentum_coeffs, pmlf_next_correction
 from ._base import INDEPENDENT, DPOptimizer, _check_number
 
 __all__ = ["DPSGD", "DPPMLF"]
@@ -185,7 +185,7 @@ class DPPMLF(DPOptimizer):
         C, inv_b = self.max_grad_norm, 1.0 / self.expected_batch_size
         sums, _ = self._clip_sums(grad_sets, C, coeffs=self.momentum_coeffs)
         # t is 1-based here; the paper's index is t − 1, so b_τ exists for τ <= t − 1.
-        c_t = -sum(a_tau * c for a_tau, c in zip(a, self._c_hist, strict=False)) + sum(b[:t])
+        c_t = pmlf_next_correction(a, b, self._c_hist, t - 1)
         m_slots, v_slots = self._slots(len(a)), self._slots(len(b) - 1)
         coeffs = self._direction_coeffs(c_t)
 
@@ -232,16 +232,16 @@ def _check_correction(a: tuple[float, ...], b: tuple[float, ...], label: str) ->
                 raise ValueError(f"PMLF filter {label}: a pole is too close to the unit circle to check c_t")
             power = A @ power
         bound = max(norms)
-    c: list[float] = []  # c_0, c_1, ... (paper index)
+    c: list[float] = []  # c_{t−1}, c_{t−2}, ... (paper index), newest first
     for t in range(_MAX_CORRECTION_STEPS):
-        c_t = -sum(a_tau * c[t - tau] for tau, a_tau in enumerate(a, 1) if t >= tau) + sum(b[: t + 1])
+        c_t = pmlf_next_correction(a, b, c, t)
         if not c_t > 0:
             why = " (c_1 = b_0)" if t == 0 else ""
             raise ValueError(
                 f"PMLF filter {label}: its bias correction c_t = {c_t:.6g} <= 0 at step t = {t + 1} "
                 f"(the first step is t = 1){why}; the update m_t/c_t needs c_t > 0 at every step"
             )
-        c.append(c_t)
-        if t >= nb - 1 and bound * max((abs(c[t - j] - 1) if t >= j else 1.0) for j in range(max(na, 1))) < 1:
+        c = [c_t, *c[: max(na, 1) - 1]]
+        if t >= nb - 1 and bound * max((abs(c[j] - 1) if j < len(c) else 1.0) for j in range(max(na, 1))) < 1:
             return
     raise ValueError(f"PMLF filter {label}: c_t has not settled after {_MAX_CORRECTION_STEPS} steps")

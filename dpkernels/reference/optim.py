@@ -51,6 +51,7 @@ __all__ = [
     "macadam_kappa",
     "pmlf_momentum_coeffs",
     "pmlf_bias_correction",
+    "pmlf_next_correction",
 ]
 
 
@@ -231,11 +232,16 @@ def pmlf_momentum_coeffs(k: int, beta: float) -> list[float]:
     return [beta**j / c_beta for j in range(k)]
 
 
+def pmlf_next_correction(a: Sequence[float], b: Sequence[float], c_prev: Sequence[float], t: int) -> float:
+    """``c_t = −Σ_{τ=1}^{na} a_τ c_{t−τ} + Σ_{τ=0}^{min(t, nb)} b_τ`` (paper index ``t ≥ 0``) from
+    ``c_prev = [c_{t−1}, c_{t−2}, …]``, newest first (``c_{<0} = 0``: fewer entries than ``na``)."""
+    return -sum(a_tau * c for a_tau, c in zip(a, c_prev, strict=False)) + sum(b[: t + 1])
+
+
 def pmlf_bias_correction(a: Sequence[float], b: Sequence[float], steps: int) -> list[float]:
-    """``c_0..c_{steps−1}``: the filter run on the constant input 1 from zero initial state,
-    ``c_t = −Σ_{τ=1}^{na} a_τ c_{t−τ} + Σ_{τ=0}^{min(t, nb)} b_τ`` (``c_{<0} = 0``)."""
+    """``c_0..c_{steps−1}``: the filter run on the constant input 1 from zero initial state
+    (:func:`pmlf_next_correction`)."""
     c: list[float] = []
     for t in range(steps):
-        c.append(-sum(a_tau * c[t - tau] for tau, a_tau in enumerate(a, 1) if t - tau >= 0)
-                 + sum(b_tau for tau, b_tau in enumerate(b) if t - tau >= 0))  # fmt: skip
+        c.append(pmlf_next_correction(a, b, c[::-1], t))
     return c
