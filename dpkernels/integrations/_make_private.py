@@ -452,11 +452,9 @@ def _engine_args(algorithm, optimizer, algo_kwargs, correlated_noise) -> tuple[_
         raise TypeError(f"algorithm {algorithm!r} needs keyword argument(s) {missing}" + (spec.why and f": {spec.why}"))
     if correlated_noise is not None and not isinstance(correlated_noise, _StreamingNoise):
         raise TypeError(f"correlated_noise must be a BLTNoise or BandedNoise, got {type(correlated_noise).__name__}")
-    if correlated_noise is not None and algorithm == "macadam":
-        raise ValueError(
-            "algorithm 'macadam' does not support correlated_noise: DPMacAdam's kappa_t and noise-variance "
-            "subtraction assume noise independent across steps (see DPMacAdam)"
-        )
+    why_not = spec.engine._NO_CORRELATED_NOISE
+    if correlated_noise is not None and why_not:  # refused before Opacus hooks the model
+        raise ValueError(f"algorithm {algorithm!r} does not support correlated_noise: {why_not}")
     hypers = (_check_sgd if spec.family == "sgd" else _check_adam)(algorithm, optimizer)
     kwargs = dict(algo_kwargs)
     if algorithm == "psac":

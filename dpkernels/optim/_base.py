@@ -226,6 +226,8 @@ class DPOptimizer(torch.optim.Optimizer):
     _PRIVACY_DEFAULTS: dict = {}
     #: global state fields that checkpoints of earlier versions lack (:meth:`_load_global_state` fills them in)
     _NEWER_GLOBALS: frozenset = frozenset()
+    #: why the optimizer refuses ``correlated_noise`` (empty: it takes it)
+    _NO_CORRELATED_NOISE: str = ""
 
     def __init_subclass__(cls, **kwargs):
         """Show the shared privacy arguments in each optimizer's signature (``help``, ``inspect``)."""
@@ -365,13 +367,15 @@ class DPOptimizer(torch.optim.Optimizer):
     # Public API
     # ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_correlated(mech, seed):
+    @classmethod
+    def _check_correlated(cls, mech, seed):
         """A :class:`dpkernels.BLTNoise`/:class:`dpkernels.BandedNoise` that supplies ``z``'s correlated
         version: unit std (the optimizer scales by ``σ·C``), its first step = the optimizer's step 1,
-        and its seed is the optimizer's noise seed."""
+        and its seed is the optimizer's noise seed; refused by an optimizer with ``_NO_CORRELATED_NOISE``."""
         if mech is None:
             return None
+        if cls._NO_CORRELATED_NOISE:
+            raise ValueError(f"{cls.__name__} does not support correlated_noise: {cls._NO_CORRELATED_NOISE}")
         from ..correlated import _StreamingNoise
 
         if not isinstance(mech, _StreamingNoise):

@@ -78,17 +78,15 @@ class DPMacAdam(DPOptimizer):
 
     _STATE_KEYS = ("exp_avg", "exp_avg_sq", "s", "b_unnorm", "inv_b_unnorm", "shift")
     _PRIVACY_DEFAULTS = {"max_grad_norm": 1.0}
+    _NO_CORRELATED_NOISE = (
+        "its kappa_t and the noise-variance subtraction b^2 sigma^2 C^2 / B^2 in s_hat assume noise independent "
+        "across steps, and under correlated (matrix-factorisation) noise the EMA of (g~ - m_hat)^2 has cross-step "
+        "covariance terms that neither corrects; use DPAdam, DPAdamBC or DPAdamSTP with correlated noise"
+    )
 
     def __init__(self, params, lr=1e-3, *, betas=(0.9, 0.999), eps=1e-8, h1=None, h2=None, b0=None,
                  bias_correction=False, gamma_prime=None, gamma_prime_rel=None, bc_scale="paper",
                  **privacy):  # fmt: skip
-        if privacy.get("correlated_noise") is not None:
-            raise ValueError(
-                "DPMacAdam does not support correlated_noise: its kappa_t and the noise-variance subtraction "
-                "b^2 sigma^2 C^2 / B^2 in s_hat assume noise independent across steps, and under correlated "
-                "(matrix-factorisation) noise the EMA of (g~ - m_hat)^2 has cross-step covariance terms that "
-                "neither corrects; use DPAdam, DPAdamBC or DPAdamSTP with correlated noise"
-            )
         betas = check_betas(betas)
         if betas[0] == 0.0:
             raise ValueError("DPMacAdam needs betas[0] > 0: with beta1 = 0, kappa_t = 0 for every t")
