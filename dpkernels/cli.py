@@ -50,11 +50,17 @@ def _subset_option(parser: argparse.ArgumentParser, flag: str, what: str, choice
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --quick: fewer epochs, seeds and configurations, so that all 10 x 3 studies finish in < 3 min.
-TRAIN_QUICK = {"epochs": 8, "seeds": 2, "budget": 3, "tuning_seeds": 1}
-TRAIN_FULL = {"epochs": 15, "seeds": 5, "budget": 9, "tuning_seeds": 2}
+# --quick: no extension, so its chosen points may sit on an edge.
+TRAIN_QUICK = {"epochs": 8, "seeds": 2, "budget": 3, "extension": 0, "tuning_seeds": 1}
+TRAIN_FULL = {"epochs": 15, "seeds": 5, "budget": 9, "extension": 9, "tuning_seeds": 2}
 
 
 def _positive_float_list(text: str) -> list[float]:
@@ -171,9 +178,10 @@ def _add_train(sub) -> None:
     train.add_argument("--delta", type=float, default=1e-5, help="(default %(default)g)")
     for name, what in (("epochs", "epochs"), ("seeds", "test seeds per configuration"),
                        ("budget", "configurations tried per (algorithm, epsilon)"),
+                       ("extension", "extra configurations, only to move a chosen point off an edge"),
                        ("tuning-seeds", "seeds per configuration tried")):  # fmt: skip
         key = name.replace("-", "_")
-        train.add_argument(f"--{name}", type=_positive_int, default=None,
+        train.add_argument(f"--{name}", type=_int_at_least(int(key != "extension")), default=None,
                            help=f"{what} (default {TRAIN_FULL[key]}, --quick {TRAIN_QUICK[key]})")  # fmt: skip
     train.add_argument("--batch-size", type=_positive_int, default=64, help="expected Poisson batch (%(default)s)")
     train.add_argument("--model", choices=("mlp", "cnn"), default="mlp", help="(default %(default)s)")
@@ -199,6 +207,7 @@ def _train(args: argparse.Namespace) -> int:
         seeds=args.seeds or preset["seeds"],
         epochs=args.epochs or preset["epochs"],
         budget=args.budget or preset["budget"],
+        extension=preset["extension"] if args.extension is None else args.extension,
         tuning_seeds=args.tuning_seeds or preset["tuning_seeds"],
         batch_size=args.batch_size,
         model=args.model,

@@ -86,6 +86,22 @@ def test_search_respects_the_budget_and_bounds_and_flags_an_unconfirmed_edge():
     assert all(axes[1].valid(i[1]) for i in scores)
 
 
+def test_search_extension_moves_an_edge_choice_inside_and_only_spends_what_it_needs():
+    axes = (Axis("lr", 1.0), Axis("c", 1.0), Axis("e", 1.0))
+    evaluate, calls = _quadratic((4, 3, 0))
+    best, scores, edge = search(axes, evaluate, budget=6)
+    assert len(scores) == 6 and edge  # the budget alone stops on an edge
+    evaluate, calls = _quadratic((4, 3, 0))
+    best, scores, edge = search(axes, evaluate, budget=6, extension=40)
+    assert best == (4, 3, 0) and not edge and 6 < len(scores) < 6 + 40
+    assert len(calls) == len(set(calls)) == len(scores)
+    best, scores, edge = search(axes, evaluate, budget=6, extension=2)
+    assert len(scores) == 8 and edge  # the extension is a cap too
+    interior, _ = _quadratic((0, 0, 0))
+    best, scores, edge = search(axes, interior, budget=30, extension=40)
+    assert best == (0, 0, 0) and not edge and len(scores) == 7  # centre and its 6 neighbours: no extension
+
+
 def test_search_never_tries_a_point_outside_a_joint_constraint():
     axes = (Axis("h1_factor", 1.0, 10.0), Axis("h2_factor", 1.0, 10.0))
     evaluate, calls = _quadratic((4, -4))  # beyond h1 <= h2

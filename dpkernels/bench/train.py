@@ -17,8 +17,9 @@ own hyper-parameters as geometric (or integer) grids around a centre: the learni
 the clip C (DP-SGD, DP-Adam, STP), STP's ε₁, MacAdam's h₁ and h₂ (factors on its defaults for the
 model's d), DP-AdamBC's relative γ' (``ρ`` of ``γ' = ρ·Φ̄``), DP²'s lr₂ and C₂, PMLF's β and k, and the r of
 DP-PSAC and Auto-S. :func:`search` (coordinate search from the centre, each axis swept and extended
-outward while that improves, so a chosen edge is extended until the optimum is interior) tries at
-most ``budget`` configurations per (algorithm, ε). A configuration's score is its mean validation
+outward while that improves) tries ``budget`` configurations per (algorithm, ε), the same for every
+algorithm; if its choice then still has an untried neighbour, up to ``extension`` more are tried, only
+around the chosen point, until it is interior (their number is reported). A configuration's score is its mean validation
 accuracy over the tuning seeds (:data:`TUNING_SEEDS`), ties broken by the mean validation loss; no
 training-set statistic enters the choice. The chosen configuration is then trained on ``seeds``
 test seeds shared by every algorithm (model init, Poisson batches and noise all change with the
@@ -26,11 +27,12 @@ seed), so comparisons are paired. The tuning runs spend privacy budget that a de
 have to account for (the usual caveat of tuned DP results); the reported ε is that of one final run.
 
 Reported per algorithm and ε: test accuracy mean ± 95% Student-t interval over the test seeds, the
-chosen configuration (flagged if it still sits on an edge of what was tried when the budget ran
-out), the ε the accountant reports, and the mean wall time of one training step (indicative only
-on a shared CPU). For each of the papers' orderings (:data:`CLAIMS`): the paired difference with its
-95% interval and a label, ``holds``, ``reversed`` or ``inconclusive`` (:func:`verdict`). Written: a
-JSON file with every run, and a plot of accuracy against ε. The results: docs/RESULTS.md.
+chosen configuration (with the configurations used beyond the budget, and flagged if it still sits
+on an edge of what was tried when the extension ran out), the ε the accountant reports, and the mean
+wall time of one training step (indicative only on a shared CPU). For each of the papers' orderings
+(:data:`CLAIMS`): the paired difference with its 95% interval and a label, ``holds``, ``reversed``
+or ``inconclusive`` (:func:`verdict`). Written: a JSON file with every run, and a plot of accuracy
+against ε. The results: docs/RESULTS.md.
 
 Papers (the algorithms' formulas and defaults: docs/ALGORITHMS.md):
 
@@ -131,6 +133,7 @@ class TrainConfig:
     backend: str = "cpu"
     grad_sample_mode: str = "bk"
     budget: int = 9
+    extension: int = 9
     tuning_seeds: int = len(TUNING_SEEDS)
     quick: bool = False
     threads: int = 1
@@ -330,26 +333,35 @@ def train_one(algorithm: str, target_epsilon: float, hp: dict, seed: int, split:
     )
 
 
-def search(axes: tuple[Axis, ...], evaluate, budget: int, allowed=None) -> tuple[tuple[int, ...], dict, bool]:
-    """Coordinate search over the grid indices of ``axes``, at most ``budget`` configurations
-    (``allowed(index)``: an extra joint constraint; a point outside it, or outside an axis's bounds,
-    is never tried nor counted).
+def search(
+    axes: tuple[Axis, ...], evaluate, budget: int, allowed=None, extension: int = 0
+) -> tuple[tuple[int, ...], dict, bool]:
+    """Coordinate search over the grid indices of ``axes``: ``budget`` configurations for every
+    algorithm alike, then at most ``extension`` more, spent only on confirming that the chosen point
+    is interior (``allowed(index)``: an extra joint constraint; a point outside it, or outside an
+    axis's bounds, is never tried nor counted).
 
-    Start at the centre; sweep each axis in turn (its two neighbours), move to the best, and keep
-    stepping outward along an axis while that improves, so a chosen point on the edge of what has
-    been tried is extended until it is interior. Cycles over the axes until a whole cycle improves
-    nothing or the budget is spent. ``evaluate(index) -> score`` (higher is better). Returns the
-    best index, every evaluated ``{index: score}``, and whether the best still sits on an edge of
-    the evaluated points along some axis (the budget ran out first)."""
+    Budget phase: start at the centre; sweep each axis in turn (its two neighbours), move to the
+    best, and keep stepping outward along an axis while that improves. Cycles over the axes until a
+    whole cycle improves nothing or the budget is spent. Extension phase (only if the budget ran out
+    with the best point still on an edge of what was tried): evaluate the best point's untried
+    neighbours, move if one is better, and repeat until every neighbour has been tried (the optimum
+    is interior, or on an axis's bound) or the extension is spent. ``evaluate(index) -> score``
+    (higher is better). Returns the best index, every evaluated ``{index: score}`` (its length past
+    ``budget`` is the extension used), and whether the best still sits on an edge."""
     scores: dict[tuple[int, ...], tuple] = {}
 
     def valid(idx):
         return all(a.valid(i) for a, i in zip(axes, idx, strict=True)) and (allowed is None or allowed(idx))
 
-    def score(idx):
-        if idx not in scores and len(scores) < budget and valid(idx):
+    def score(idx, limit=budget):
+        if idx not in scores and len(scores) < limit and valid(idx):
             scores[idx] = evaluate(idx)
         return scores.get(idx)
+
+    def untried(best):
+        nbs = (best[:k] + (best[k] + d,) + best[k + 1 :] for k in range(len(axes)) for d in (1, -1))
+        return [nb for nb in nbs if nb not in scores and valid(nb)]
 
     best = (0,) * len(axes)
     score(best)
@@ -364,12 +376,11 @@ def search(axes: tuple[Axis, ...], evaluate, budget: int, allowed=None) -> tuple
                     if got is None or got <= scores[best]:
                         break
                     best, improved = cand, True
-    edge = any(
-        (nb := best[:k] + (best[k] + d,) + best[k + 1 :]) not in scores and valid(nb)
-        for k in range(len(axes))
-        for d in (1, -1)
-    )
-    return best, scores, edge
+    while (todo := untried(best)) and len(scores) < budget + extension:
+        for nb in todo:
+            score(nb, budget + extension)
+        best = max([best, *(nb for nb in todo if nb in scores)], key=scores.__getitem__)  # a tie keeps best
+    return best, scores, bool(untried(best))
 
 
 def _hp(axes: tuple[Axis, ...], idx: tuple[int, ...]) -> dict:
@@ -394,7 +405,8 @@ def study_one(algorithm: str, eps: float, split: Split, cfg: TrainConfig) -> dic
         return (statistics.fmean(r.val_accuracy for r in runs), -statistics.fmean(r.val_loss for r in runs))
 
     constraint = CONSTRAINTS.get(algorithm)
-    best, scores, edge = search(axes, evaluate, cfg.budget, constraint and (lambda idx: constraint(_hp(axes, idx))))
+    allowed = constraint and (lambda idx: constraint(_hp(axes, idx)))
+    best, scores, edge = search(axes, evaluate, cfg.budget, allowed, cfg.extension)
     hp = _hp(axes, best)
     finals = [train_one(algorithm, eps, hp, TEST_SEED_BASE + i, split, cfg) for i in range(cfg.seeds)]
     accs = [r.test_accuracy for r in finals]
@@ -403,6 +415,7 @@ def study_one(algorithm: str, eps: float, split: Split, cfg: TrainConfig) -> dic
         "target_epsilon": eps,
         "hp": hp,
         "configurations_tried": len(scores),
+        "beyond_budget": max(0, len(scores) - cfg.budget),
         "chosen_on_edge": edge,
         "failed_configurations": failed,
         "test_accuracy": accs,
@@ -543,7 +556,8 @@ def _table(summary: dict, cfg: TrainConfig):
 
     table = Table(
         title=f"{cfg.dataset}, {cfg.model}, δ={cfg.delta:g}, {cfg.epochs} epochs: test accuracy (%), mean ± 95% "
-        f"interval over {cfg.seeds} seeds; chosen configuration (* still on an edge when the budget ran out)"
+        f"interval over {cfg.seeds} seeds; chosen configuration (+n: n configurations beyond the budget, "
+        "to move it off an edge; * still on an edge when the extension ran out)"
     )
     table.add_column("algorithm")
     for eps in cfg.epsilons:
@@ -555,7 +569,8 @@ def _table(summary: dict, cfg: TrainConfig):
         for eps in cfg.epsilons:
             s = by_eps.get(f"{eps:g}", by_eps.get("inf"))
             cells += [f"{100 * s['test_accuracy_mean']:.1f} ± {100 * s['test_accuracy_ci95']:.1f}",
-                      _fmt_hp(s["hp"]) + ("*" if s["chosen_on_edge"] else "")]  # fmt: skip
+                      _fmt_hp(s["hp"]) + (f" +{s['beyond_budget']}" if s["beyond_budget"] else "")
+                      + ("*" if s["chosen_on_edge"] else "")]  # fmt: skip
             step_ms.append(s["step_ms"])
         table.add_row(algorithm, *cells, f"{statistics.fmean(step_ms):.2f}")
     return table
