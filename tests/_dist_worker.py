@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from dpkernels import BLTNoise
+from dpkernels.bk import BKModule
 from dpkernels.optim import DP2, DPPMLF, DPSGD, DPAdam, DPAdamBC, DPAdamSTP, DPMacAdam, ShardedDPOptimizer
+from dpkernels.optim._base import ClipPlan
 
 SHAPES = [(3, 5), (5,), (2, 3)]  # 26 elements: the 4-rank shard bounds 6, 13, 19 cut inside tensors 0 and 1
 B = 7  # the global batch; 4 ranks hold 2, 2, 2, 1 rows
@@ -47,7 +49,9 @@ CONFIGS = {
     ),
     "fresh_seed": (DPSGD, dict(lr=0.1), 1),  # no seed: every rank must use rank 0's fresh one
 }
-SHARDED = ("sgd", "adam", "adam_bc", "secure")  # secure: ChaCha20 noise drawn at the range's offset
+#: every configuration but the fresh seed's (its own test); secure: ChaCha20 noise drawn at the range's
+#: offset; blt: correlated noise whose buffers are the range's
+SHARDED = tuple(n for n in CONFIGS if n != "fresh_seed")
 
 
 def make(name: str, params, distributed=False, sharded: bool = False):
@@ -85,21 +89,43 @@ def set_grads(params, t: int, k: int, sl: slice = slice(None)) -> None:
         p.grad_sample = [s[sl] for s in sets] if k > 1 else sets[0][sl]
 
 
-def train(name: str, distributed=False, sl: slice = slice(None), sharded: bool = False) -> list[torch.Tensor]:
-    """``STEPS`` steps of config ``name`` on rows ``sl`` of each global batch; the final parameters."""
+def train(name: str, distributed=False, sl: slice = slice(None), sharded: bool = False, *, opt_out=None):
+    """``STEPS`` steps of config ``name`` on rows ``sl`` of each global batch; the final parameters
+    (``opt_out``: a list the optimizer is appended to)."""
     k = CONFIGS[name][2]
     params = initial_params()
     opt = make(name, groups(params), distributed, sharded)
     for t in range(STEPS):
         set_grads(params, t, k, sl)
         opt.step()
+    if opt_out is not None:
+        opt_out.append(opt)
     return params
+
+
+def bk_model() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def bk_train(name: str, sl: slice, sharded: bool) -> list[torch.Tensor]:
+    """``STEPS`` book-keeping steps (``step(per_sample=BKModule.batch())``, no per-sample gradients)
+    of config ``name`` on an MLP, rank rows ``sl`` of each global batch."""
+    model = bk_model()
+    bk = BKModule(model, loss_reduction="sum")
+    opt = make(name, list(model.parameters()), True, sharded)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(STEPS, B, 4, generator=g), torch.randint(0, 2, (STEPS, B), generator=g)
+    for t in range(STEPS):
+        torch.nn.functional.cross_entropy(bk(x[t, sl]), y[t, sl], reduction="sum").backward()
+        opt.step(per_sample=bk.batch())
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def clipped_sums(opt, params, t: int, sl: slice = slice(None)) -> list[torch.Tensor]:
     """The clipped sum ``S`` of rows ``sl`` of step ``t``'s batch by a single-process ``opt``."""
     set_grads(params, t, 1, sl)
-    return opt._clip_sums(opt._grad_sets(params), opt.max_grad_norm)[0]
+    return opt._clip_sums(params, opt._grad_sets(params), ClipPlan(opt.max_grad_norm))[0]
 
 
 def global_sums(name: str) -> list[torch.Tensor]:
@@ -127,9 +153,13 @@ def from_sums(name: str, sums, distributed=False, sharded: bool = False) -> list
 
 def run(rank: int, world: int, out_dir: str) -> None:
     sl = rows(rank, world)
-    out = {name: train(name, True, sl) for name in CONFIGS}
+    opts = {}
+    out = {name: train(name, True, sl, opt_out=opts.setdefault(name, [])) for name in CONFIGS}
     for name in SHARDED:
-        out[f"zero1/{name}"] = train(name, True, sl, sharded=True)
+        out[f"zero1/{name}"] = train(name, True, sl, sharded=True, opt_out=opts.setdefault(f"zero1/{name}", []))
+    out["past/pmlf"], out["zero1_past/pmlf"] = (opts[key][0].past_params() for key in ("pmlf", "zero1/pmlf"))
+    for name in ("stp", "macadam"):
+        out[f"bk/{name}"], out[f"zero1_bk/{name}"] = (bk_train(name, sl, sharded) for sharded in (False, True))
     sums = global_sums("sgd")
     mine = sums if rank == 0 else [torch.zeros_like(s) for s in sums]  # Σ_r is then exactly S
     out["zero1_sums/sgd"] = from_sums("sgd", mine, True, sharded=True)

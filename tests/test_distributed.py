@@ -104,6 +104,25 @@ def test_zero1_equals_unsharded(ranks, name):
         assert _equal(results[r][f"zero1/{name}"], results[r][name]), f"rank {r}"
 
 
+@pytest.mark.parametrize("name", ["stp", "macadam"])
+def test_zero1_book_keeping_equals_unsharded(ranks, name):
+    """``step(per_sample=BKBatch)``: book-keeping clipping (the norms from the layers' inputs and
+    output gradients) of a state-dependent clip, sharded, equals the unsharded data-parallel run."""
+    world, results = ranks
+    assert not _equal(results[0][f"bk/{name}"], [p.detach() for p in w.bk_model().parameters()])
+    for r in range(world):
+        assert _equal(results[r][f"zero1_bk/{name}"], results[r][f"bk/{name}"]), f"rank {r}"
+        assert _equal(results[r][f"bk/{name}"], results[0][f"bk/{name}"]), f"rank {r} differs from rank 0"
+
+
+def test_zero1_pmlf_past_iterates_are_gathered_whole(ranks):
+    """DP-PMLF's past iterates (the points its next gradients are taken at) are the unsharded run's."""
+    world, results = ranks
+    for r in range(world):
+        for got, want in zip(results[r]["zero1_past/pmlf"], results[r]["past/pmlf"], strict=True):
+            assert _equal(got, want), f"rank {r}"
+
+
 def test_zero1_step_from_sums_is_world_independent(ranks):
     """With an exactly all-reduced sum, ZeRO-1 over 1, 2 or 4 ranks equals the single-process
     step bit for bit: each range's noise is keyed by its global flat index."""
@@ -228,8 +247,8 @@ def test_argument_errors(tmp_path):
     try:
         with pytest.raises(TypeError, match="ProcessGroup"):
             DPSGD(params, lr=0.1, distributed="world", **w.PRIVACY)
-        with pytest.raises(NotImplementedError, match="clips with its own state"):
-            ShardedDPOptimizer(w.CONFIGS["stp"][0], params, lr=0.1, **w.PRIVACY)
+        with pytest.raises(TypeError, match="a dpkernels DP optimizer class"):
+            ShardedDPOptimizer(torch.optim.SGD, params, lr=0.1, **w.PRIVACY)
         with pytest.raises(ValueError, match="needs distributed"):
             ShardedDPOptimizer(DPSGD, params, lr=0.1, distributed=False, **w.PRIVACY)
         with pytest.raises(TypeError, match="one parameter dtype"):
@@ -238,21 +257,24 @@ def test_argument_errors(tmp_path):
         dist.destroy_process_group()
 
 
-def test_zero1_state_dict_resumes(tmp_path):
-    """A ZeRO-1 shard's state_dict resumes the run bit for bit and is refused by another shard layout."""
+@pytest.mark.parametrize("name", ["adam", "dp2", "macadam", "pmlf"])
+def test_zero1_state_dict_resumes(tmp_path, name):
+    """A ZeRO-1 shard's state_dict resumes the run bit for bit (DP²: across its preconditioner refresh;
+    MacAdam: its b scale; PMLF: its rings) and is refused by another shard layout."""
+    k = w.CONFIGS[name][2]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         params = w.initial_params()
-        opt = w.make("adam", w.groups(params), True, sharded=True)
-        w.set_grads(params, 0, 1)
+        opt = w.make(name, w.groups(params), True, sharded=True)
+        w.set_grads(params, 0, k)
         opt.step()
         saved, saved_params = copy.deepcopy(opt.state_dict()), [p.clone() for p in params]
-        w.set_grads(params, 1, 1)
+        w.set_grads(params, 1, k)
         opt.step()
         resumed = list(saved_params)
-        again = w.make("adam", w.groups(resumed), True, sharded=True)
+        again = w.make(name, w.groups(resumed), True, sharded=True)
         again.load_state_dict(saved)
-        w.set_grads(resumed, 1, 1)
+        w.set_grads(resumed, 1, k)
         again.step()
         assert again.steps_taken == 2 and _equal(resumed, params)
         with pytest.raises(ValueError, match="ZeRO-1 shard"):

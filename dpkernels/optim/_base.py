@@ -149,6 +149,22 @@ _PRIVACY_PARAMS = [
 ]  # fmt: skip
 
 
+@dataclasses.dataclass
+class ClipPlan:
+    """What one step's clip reads, formed from the state before anything is written: the bound
+    ``C`` (the sensitivity: the noise is ``σ·C``), the weights of the gradient sets (DP-PMLF's
+    per-sample momentum), the per-coordinate ``shift``/``scale`` lists (one tensor per parameter, or
+    None), the norm's ``norm_scale``, and ``carry``: the optimizer's own values from the plan to
+    :meth:`DPOptimizer._apply` (DP²'s refreshed preconditioner, stored only once the clip passed)."""
+
+    C: float
+    coeffs: tuple = (1.0,)
+    shift: list[Tensor] | None = None
+    scale: list[Tensor] | None = None
+    norm_scale: float = 1.0
+    carry: object = None
+
+
 def _first_device(groups: list) -> torch.device:
     """The device of the first parameter as the constructor receives it (tensors, or param-group
     dicts, some possibly empty); CPU when there is none (the constructor then raises)."""
@@ -203,13 +219,13 @@ def gamma_prime_of(group: dict, phi: float) -> float:
 
 class DPOptimizer(torch.optim.Optimizer):
     """Base class: validation, per-sample gradient intake, the clip stage, the family op, noise,
-    state (de)serialisation. Subclasses implement :meth:`_update` (and, with ``_accepts_sums``,
-    :meth:`_update_from_sums`); their constructors take ``params``, their own hyper-parameters
+    state (de)serialisation. Subclasses implement :meth:`_apply` (stage 2) and, if their clip
+    reads their state, :meth:`_plan`; their constructors take ``params``, their own hyper-parameters
     and ``**privacy``: the keyword arguments of :class:`PrivacyArgs` (their signature shows them).
 
     A step is all or nothing: every parameter, per-sample gradient, noise tensor and counter is
-    checked before :meth:`_update` runs, and :meth:`_update` forms everything that can still fail
-    (the clipped sum and its non-finite check) before it writes a parameter or a state entry. A
+    checked before the clip runs, and the clip (:meth:`_plan`, then the clipped sum and its
+    non-finite check) runs before :meth:`_apply` writes a parameter or a state entry. A
     step that raises leaves the parameters, the state, the noise counter and (through
     ``make_private``) the accountant exactly as they were, so a retry never reuses noise.
     """
@@ -345,12 +361,26 @@ class DPOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: Tensor) -> dict:
         return {}
 
-    def _update(self, params: list[Tensor], grad_sets: list[list[Tensor]], t: int, noise) -> None:
+    def _plan(self, params: list[Tensor], t: int) -> ClipPlan:
+        """What step ``t``'s clip reads from the state (per-coordinate lists shaped like ``params``).
+        Writes nothing: a step that fails in its clip must leave the state as it was."""
+        return ClipPlan(self.max_grad_norm)
+
+    def _apply(self, params: list[Tensor], sums: list[Tensor], c_total, t: int, noise, plan: ClipPlan) -> None:
+        """Stage 2 from the clipped sums ``S`` of sensitivity ``plan.C`` (``c_total``: ``Σ_i c_i`` as
+        a 0-d tensor, or None after :meth:`step_from_sums`): noise, update, state."""
         raise NotImplementedError
 
-    def _update_from_sums(self, params: list[Tensor], sums: list[Tensor], t: int, noise, delta: float) -> None:
-        """The step from clipped sums of sensitivity ``delta`` (the optimizers whose ``_accepts_sums`` is set)."""
-        raise NotImplementedError
+    @classmethod
+    def _whole_model_defaults(cls, kwargs: dict, numel: int) -> dict:
+        """``kwargs`` with the defaults that depend on the model's size resolved for ``numel``
+        parameter elements (a ZeRO-1 shard is built over a part of them)."""
+        return kwargs
+
+    def _sum_over_shards(self, x: float) -> float:
+        """A sum over every parameter element, from this optimizer's part of it (identity unless a
+        ZeRO-1 shard, whose wrapper sums over the ranks)."""
+        return x
 
     def _global_state(self) -> dict:
         """Global (not per-parameter) state saved in ``state_dict()["dp"]``, besides step and seed."""
@@ -358,10 +388,6 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _load_global_state(self, dp: dict) -> None:
         self.secure_key = dp["secure_key"]
-
-    def _noise_clip(self) -> float:
-        """The clip norm the noise of :meth:`step` is scaled by (DP²'s adaptive phase overrides it)."""
-        return self.max_grad_norm
 
     # ----------------------------------------------------------------------------------------
     # Public API
@@ -441,12 +467,21 @@ class DPOptimizer(torch.optim.Optimizer):
                     "step(noise=...) cannot be combined with correlated_noise (its state would skip a step)"
                 )
             noise = self._check_noise(noise, params)
-        t = self._begin_step(params)
-        if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
-            noise = self._secure_noise(params, t, self._noise_clip())
-        self._update(params, grad_sets, t, noise)
-        self._step = t
+        self._step_with(lambda plan: self._clip_sums(params, grad_sets, plan), noise)
         return loss
+
+    def _step_with(self, clip, noise, plan: ClipPlan | None = None) -> None:
+        """The rest of a step, all or nothing: ``clip(plan) -> (S, Σ c_i)`` (which may all-reduce),
+        then :meth:`_apply`. ``plan``: the given sensitivity of :meth:`step_from_sums`, else the
+        optimizer's :meth:`_plan`."""
+        params = self._params()
+        t = self._begin_step(params)
+        plan = plan or self._plan(params, t)
+        if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
+            noise = self._secure_noise(params, t, plan.C)
+        sums, c_total = clip(plan)
+        self._apply(params, sums, c_total, t, noise, plan)
+        self._step = t
 
     @torch.no_grad()
     def step_from_sums(
@@ -489,13 +524,12 @@ class DPOptimizer(torch.optim.Optimizer):
             if self.correlated_noise is not None:
                 raise ValueError("step_from_sums(noise=...) cannot be combined with correlated_noise")
             noise = self._check_noise(noise, params)
-        t = self._begin_step(params)
-        if self.process_group is not None:
-            sums = _distributed.reduce_flat(self.process_group, list(sums))
-        if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
-            noise = self._secure_noise(params, t, delta)
-        self._update_from_sums(params, [s.contiguous() for s in sums], t, noise, delta)
-        self._step = t
+
+        def clip(plan):
+            local = [s.contiguous() for s in sums]
+            return (local if self.process_group is None else _distributed.reduce_flat(self.process_group, local)), None
+
+        self._step_with(clip, noise, ClipPlan(delta))
 
     def _begin_step(self, params: list[Tensor]) -> int:
         """The counter ``t`` of the step about to run (checked), with state for every parameter."""
@@ -735,27 +769,29 @@ class DPOptimizer(torch.optim.Optimizer):
     # Stage 1: the clipped sum on the backend
     # ----------------------------------------------------------------------------------------
 
-    def _clip_sums(self, grad_sets, C, *, coeffs=(1.0,), shift=None, scale=None, norm_scale=1.0):
+    def _clip_sums(self, params, grad_sets, plan: ClipPlan):
         """``(S, Σ_i c_i)``: the clipped sums per parameter (state dtype) and the total weight, from
         the per-sample gradient sets or a :class:`~dpkernels.bk.BKBatch`; with ``distributed``,
         summed over the ranks (each rank clips its own samples)."""
-        clip = lambda: self._clip_local(grad_sets, C, coeffs, shift, scale, norm_scale)  # noqa: E731
+        clip = lambda: self._clip_local(params, grad_sets, plan)  # noqa: E731
         if self.process_group is None:
             return clip()
-        return _distributed.clip_then_reduce(self.process_group, clip, self._params()[0].device)
+        return _distributed.clip_then_reduce(self.process_group, clip, params[0].device)
 
-    def _clip_local(self, grad_sets, C, coeffs, shift, scale, norm_scale):
-        params = self._params()
+    def _clip_local(self, params, grad_sets, plan: ClipPlan):
+        """The clip of this process's samples; ``params``, ``plan.shift`` and ``plan.scale`` cover
+        every parameter the gradients belong to (a ZeRO-1 shard passes its gathered ones)."""
+        C, coeffs, shift, scale = plan.C, plan.coeffs, plan.shift, plan.scale
         if isinstance(grad_sets, BKBatch):
             sums, _, w = grad_sets.clipped_sums(
                 params, coeffs, [C], self.mode, self.r, shift, scale, False, "raise", self.backend,
-                norm_scale=norm_scale,
+                norm_scale=plan.norm_scale,
             )  # fmt: skip
         else:
             flat = [g.contiguous() for gs in grad_sets for g in gs]
             sums, w = _clipped_sums(
                 flat, coeffs, [C], self.mode, self.r, shift or [], scale or [], False, "raise", self.backend,
-                norm_scale=norm_scale,
+                norm_scale=plan.norm_scale,
             )  # fmt: skip
         # The total stays on the device: only DP-MacAdam reads it, so only it waits for it.
         return [s.to(state_dtype(p)) for s, p in zip(sums, params, strict=True)], w[:, 0].sum()

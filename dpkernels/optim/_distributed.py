@@ -25,6 +25,7 @@ all-gather, which can still fail after the shard was updated; restart such a run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..clip import _clipped_sums, _in_range, _overflow_error
+from ..clip import _in_range, _overflow_error
 from ..reference.optim import state_dtype
 
 __all__ = ["ShardedDPOptimizer"]
@@ -132,25 +133,33 @@ def clip_then_reduce(group, clip, device) -> tuple[list[Tensor], float]:
 
 
 class ShardedDPOptimizer:
-    """ZeRO-1 for a DP optimizer whose clip does not depend on its state (``DPSGD``, ``DPAdam``,
-    ``DPAdamBC``: the classes with ``step_from_sums``).
+    """ZeRO-1 for any DP optimizer: each rank keeps the optimizer state of one range of the flat
+    parameter vector, and the parameters equal the unsharded run's bit for bit.
 
-    ``ShardedDPOptimizer(DPAdam, params, lr=..., noise_multiplier=..., max_grad_norm=...,
+    ``ShardedDPOptimizer(DPAdamSTP, params, lr=..., eps1=..., noise_multiplier=..., max_grad_norm=...,
     expected_batch_size=B_global, seed=..., distributed=True)``: the keyword arguments are the
     optimizer's. With ``N`` parameter elements (``param_groups`` order, one flat index ``e``) and
     ``W`` ranks, rank ``r`` owns ``e ∈ [⌊rN/W⌋, ⌊(r+1)N/W⌋)``; its :attr:`engine` is the optimizer over
     1-D views of that range (the state of the range only) whose noise index starts at the range's
     first ``e``. A :meth:`step`:
 
-    1. clips this rank's ``p.grad_sample`` ``[B_r, *p.shape]`` over ALL parameters (the norms are
-       over the whole gradient) → ``S_r``;
-    2. all-reduces ``S = Σ_r S_r`` (gloo has no reduce-scatter; each rank keeps its range);
-    3. steps its range: ``engine.step_from_sums(S[range], sensitivity=C)``, noise ``σ·C·z_e`` for
-       the range's ``e`` (Philox counter ``(e, t, 0)``: the unsharded run's noise);
+    1. forms the clip's per-coordinate inputs from the range's state (STP's scale, DP²'s
+       preconditioner, MacAdam's shift and scale; :meth:`DPOptimizer._plan`) and all-gathers them
+       (one transient ``N``-vector each, like the parameters);
+    2. clips this rank's ``p.grad_sample`` ``[B_r, *p.shape]`` (or a ``per_sample``
+       :class:`~dpkernels.bk.BKBatch`) over ALL parameters (the norms are over the whole gradient)
+       → ``S_r``, and all-reduces ``S = Σ_r S_r`` (gloo has no reduce-scatter; each rank keeps its
+       range);
+    3. steps its range: noise ``σ·C·z_e`` for the range's ``e`` (Philox counter ``(e, t, 0)``, or
+       its correlated version through the range's mechanism buffers: the unsharded run's noise);
+       a sum over every coordinate (MacAdam's ``Σ√ŝ``) is all-reduced;
     4. all-gathers the ranges into every rank's parameters.
 
     Every parameter must have one dtype (the all-gather moves one flat buffer) and ``N ≥ W``.
-    :meth:`state_dict`/:meth:`load_state_dict` are the engine's: per rank, for the same ``W``.
+    DP-PMLF's :meth:`past_params` all-gathers the past iterates. :meth:`state_dict` and
+    :meth:`load_state_dict` are the engine's: per rank, for the same ``W``. DP-MacAdam's ``Σ√ŝ`` is
+    summed in float64 in another order than one process's, so its ``b`` scale, and through it the
+    parameters, can differ from the unsharded run in the last bit.
     """
 
     def __init__(self, optimizer_cls, params, *, distributed=True, **kwargs):
@@ -158,13 +167,6 @@ class ShardedDPOptimizer:
 
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, DPOptimizer)):
             raise TypeError(f"optimizer_cls must be a dpkernels DP optimizer class, got {optimizer_cls!r}")
-        if not optimizer_cls._accepts_sums:
-            raise NotImplementedError(
-                f"{optimizer_cls.__name__} clips with its own state, which ZeRO-1 would have to all-gather "
-                "before the clip; shard DPSGD, DPAdam or DPAdamBC, or use distributed=True unsharded"
-            )
-        if kwargs.get("correlated_noise") is not None:
-            raise NotImplementedError("ShardedDPOptimizer does not support correlated_noise")
         self.group = process_group(distributed)
         if self.group is None:
             raise ValueError("ShardedDPOptimizer needs distributed=True or a ProcessGroup")
@@ -200,8 +202,10 @@ class ShardedDPOptimizer:
                     pieces.append(p.detach().view(-1)[a:b])
                 start += p.numel()
             shard_groups.append({**g, "params": pieces})
+        kwargs = optimizer_cls._whole_model_defaults(kwargs, numel)
         engine = optimizer_cls(shard_groups, distributed=False, **{**kwargs, **self._agreed(optimizer_cls, kwargs)})
         engine._noise_offset = lo
+        engine._sum_over_shards = self._sum_over_ranks
         self.engine = engine
 
     def _agreed(self, cls, kwargs) -> dict:
@@ -209,9 +213,13 @@ class ShardedDPOptimizer:
 
         given = {k: kwargs[k] for k in ("seed", "secure_key", "noise_multiplier", "max_grad_norm",
                                         "expected_batch_size", "mode", "r") if kwargs.get(k) is not None}  # fmt: skip
+        given["cls"] = cls.__name__
         given["shapes"] = [tuple(p.shape) for p in self.params]
         drawn = {}
-        if "seed" not in given:
+        mech = kwargs.get("correlated_noise")
+        if mech is not None:
+            given["seed"] = mech.seed
+        elif "seed" not in given:
             drawn["seed"] = fresh_seed()
         if kwargs.get("rng") == "chacha20" and "secure_key" not in given:
             drawn["secure_key"] = fresh_key()
@@ -240,19 +248,36 @@ class ShardedDPOptimizer:
             raise ValueError(f"state_dict holds the ZeRO-1 shard {z}; this is rank {self.rank} of {self.world}")
         self.engine.load_state_dict({k: v for k, v in state_dict.items() if k != "zero1"})
 
+    def past_params(self) -> list[list[Tensor]]:
+        """DP-PMLF's ``k−1`` past iterates (:meth:`DPPMLF.past_params`), gathered whole on every rank."""
+        return [self._gather(pieces, "all-gather of the past iterates") for pieces in self.engine.past_params()]
+
     @torch.no_grad()
-    def step(self) -> None:
-        """Clip this rank's ``p.grad_sample``, all-reduce, step the range, all-gather (class docstring)."""
+    def step(self, *, per_sample=None) -> None:
+        """Steps 1–4 of the class docstring, all or nothing up to the final all-gather."""
+        from ..bk import BKBatch
+
         eng = self.engine
+        eng._check_params(eng._params())
+        if per_sample is None:
+            grad_sets = eng._grad_sets(self.params)
+        elif not isinstance(per_sample, BKBatch) or per_sample.num_sets != eng._num_grad_sets:
+            raise TypeError(f"per_sample must be a dpkernels.bk.BKBatch of {eng._num_grad_sets} gradient set(s)")
+        else:
+            grad_sets = per_sample
 
-        def clip():
-            (grads,) = eng._grad_sets(self.params)
-            sums, w = _clipped_sums([g.contiguous() for g in grads], (1.0,), [eng.max_grad_norm], eng.mode, eng.r,
-                                    [], [], False, "raise", eng.backend)  # fmt: skip
-            return [s.to(state_dtype(p)) for s, p in zip(sums, self.params, strict=True)], 0.0
+        def clip(plan):
+            whole = dataclasses.replace(
+                plan,
+                shift=plan.shift and self._gather(plan.shift, "all-gather of the clip's shift"),
+                scale=plan.scale and self._gather(plan.scale, "all-gather of the clip's scale"),
+            )
+            local = lambda: eng._clip_local(self.params, grad_sets, whole)  # noqa: E731
+            sums, c_total = clip_then_reduce(self.group, local, self.params[0].device)
+            return self._own_range(sums), c_total
 
-        sums, _ = clip_then_reduce(self.group, clip, self.params[0].device)
-        self._step_range(sums)
+        eng._step_with(clip, None)
+        self._gather_params()
 
     @torch.no_grad()
     def step_from_sums(self, sums: list[Tensor], *, sensitivity: float) -> None:
@@ -263,30 +288,40 @@ class ShardedDPOptimizer:
         for idx, (s, p) in enumerate(zip(sums, self.params, strict=True)):
             if not isinstance(s, Tensor) or s.shape != p.shape or s.dtype != state_dtype(p):
                 raise ValueError(f"sums[{idx}] must be a {state_dtype(p)} tensor of shape {tuple(p.shape)}")
-        self._step_range(reduce_flat(self.group, list(sums)), sensitivity)
+        self.engine.step_from_sums(self._own_range(reduce_flat(self.group, list(sums))), sensitivity=sensitivity)
+        self._gather_params()
 
-    def _step_range(self, sums: list[Tensor], sensitivity: float | None = None) -> None:
+    def _own_range(self, whole: list[Tensor]) -> list[Tensor]:
+        """This rank's range of tensors shaped like the parameters, as the engine's pieces."""
         lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        flat = torch.cat([s.reshape(-1) for s in sums])[lo:hi]
-        pieces = list(flat.split([p.numel() for p in self.engine._params()]))
-        self.engine.step_from_sums(
-            pieces, sensitivity=self.engine.max_grad_norm if sensitivity is None else sensitivity
-        )
-        self._all_gather()
+        flat = torch.cat([s.reshape(-1) for s in whole])[lo:hi]
+        return list(flat.split([p.numel() for p in self.engine._params()]))
 
-    def _all_gather(self) -> None:
-        size = math.ceil(self.numel / self.world)
-        p0 = self.params[0]
-        own = torch.zeros(size, dtype=p0.dtype, device=p0.device)
-        mine = torch.cat([p.reshape(-1) for p in self.engine._params()])
+    def _gather(self, pieces: list[Tensor], what: str, consequence: str = _UNCHANGED) -> list[Tensor]:
+        """Every rank's ``pieces`` (the engine's parameter order) as whole tensors shaped like the parameters."""
+        mine = torch.cat([x.reshape(-1) for x in pieces])
+        own = torch.zeros(math.ceil(self.numel / self.world), dtype=mine.dtype, device=mine.device)
         own[: mine.numel()] = mine
         parts = [torch.empty_like(own) for _ in range(self.world)]
-        _collective(
+        _collective(what, lambda: dist.all_gather(parts, own, group=self.group), consequence)
+        flat = torch.cat([parts[r][: self.bounds[r + 1] - self.bounds[r]] for r in range(self.world)])
+        return [x.view(p.shape) for x, p in zip(flat.split([p.numel() for p in self.params]), self.params, strict=True)]
+
+    def _gather_params(self) -> None:
+        whole = self._gather(
+            self.engine._params(),
             "all-gather of the parameter shards",
-            lambda: dist.all_gather(parts, own, group=self.group),
             "This rank's range of the parameters and its state were updated but the others' were not "
             "gathered: restart from a checkpoint",
         )
-        flat = torch.cat([parts[r][: self.bounds[r + 1] - self.bounds[r]] for r in range(self.world)])
-        for p, part in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
-            p.data.copy_(part.view(p.shape))
+        for p, x in zip(self.params, whole, strict=True):
+            p.data.copy_(x)
+
+    def _sum_over_ranks(self, x: float) -> float:
+        total = torch.tensor([x], dtype=torch.float64, device=self.params[0].device)
+        _collective(
+            "all-reduce of a sum over the coordinates",
+            lambda: dist.all_reduce(total, group=self.group),
+            "This rank's range of the parameters and its state were updated: restart from a checkpoint",
+        )
+        return float(total)

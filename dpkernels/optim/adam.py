@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from .._kernel_args import ADAM
-from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
+from ._base import (
+    GAMMA_PRIME_REL,
+    ClipPlan,
+    DPOptimizer,
+    _check_number,
+    bias,
+    check_betas,
+    gamma_prime_defaults,
+    gamma_prime_of,
+)
 
 __all__ = ["DPAdam", "DPAdamBC", "DPAdamSTP"]
 
@@ -42,14 +51,8 @@ class _AdamFamily(DPOptimizer):
             eps1=group.get("eps1", 0.0), variant=self._VARIANT,
         )  # fmt: skip
 
-    def _clip_scale(self, params):
-        return None
-
-    def _update(self, params, grad_sets, t, noise):
-        sums, _ = self._clip_sums(grad_sets, self.max_grad_norm, scale=self._clip_scale(params))
-        self._update_from_sums(params, sums, t, noise, self.max_grad_norm)
-
-    def _update_from_sums(self, params, sums, t, noise, delta):
+    def _apply(self, params, sums, c_total, t, noise, plan):
+        delta = plan.C
         std = self.noise_multiplier * delta
         self._run(ADAM, params, sums, lambda g: self._hyper(g, t, delta), noise, std, t)
 
@@ -131,7 +134,8 @@ class DPAdamBC(_AdamFamily):
         """``Φ̄_t`` of each param group after the last step (0 before the first): what it subtracted."""
         return [*self._phi_bar, *[0.0] * (len(self.param_groups) - len(self._phi_bar))]
 
-    def _update_from_sums(self, params, sums, t, noise, delta):
+    def _apply(self, params, sums, c_total, t, noise, plan):
+        delta = plan.C
         mech = self.correlated_noise
         # Pre-drawn noise replaces the mechanism's (and does not advance it): σΔz, independent.
         r = mech.noise_variance(t) if mech is not None and noise is None else 1.0
@@ -213,5 +217,5 @@ class DPAdamSTP(_AdamFamily):
         st["scale"] = 1 / (torch.zeros_like(st["exp_avg_sq"]) + self._group_of(p)["eps1"])
         return st
 
-    def _clip_scale(self, params):
-        return [self.state[p]["scale"] for p in params]
+    def _plan(self, params, t):
+        return ClipPlan(self.max_grad_norm, scale=[self.state[p]["scale"] for p in params])

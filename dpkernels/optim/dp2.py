@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import _validate
 from .._kernel_args import DP2 as DP2_ARGS
 from ..reference.optim import dp2_refreshed_v
-from ._base import DPOptimizer, _check_number
+from ._base import ClipPlan, DPOptimizer, _check_number
 
 __all__ = ["DP2"]
 
@@ -64,29 +64,24 @@ class DP2(DPOptimizer):
         """``"sgd"`` or ``"adaptive"`` for the 1-based step ``t``."""
         return "sgd" if (t - 1) % (self.s1 + self.s2) < self.s1 else "adaptive"
 
-    def _noise_clip(self):
-        return self.max_grad_norm if self.phase(self._step + 1) == "sgd" else self.max_grad_norm2
-
-    def _update(self, params, grad_sets, t, noise):
+    def _plan(self, params, t):
         pos = (t - 1) % (self.s1 + self.s2)
-        inv_b = 1.0 / self.expected_batch_size
         if pos < self.s1:  # G is 0 at pos 0: the refresh reset it and adaptive steps do not add to it
-            C = self.max_grad_norm
-            sums, _ = self._clip_sums(grad_sets, C)
-            phase, lr = 0, "lr"
-        else:
-            C = self.max_grad_norm2
-            groups = self._groups_of()
-            if pos == self.s1:  # the refresh, stored only once the clipped sum is formed (all or nothing)
-                v = [dp2_refreshed_v(self.state[p]["v"], self.state[p]["G"], self.s1, g["beta"], self.preconditioner)
-                     for p, g in zip(params, groups, strict=True)]  # fmt: skip
-                inv_d = [1 / (vv.sqrt() + g["eps"]) for vv, g in zip(v, groups, strict=True)]
-            else:
-                inv_d = [self.state[p]["inv_d"] for p in params]
-            sums, _ = self._clip_sums(grad_sets, C, scale=inv_d)
-            if pos == self.s1:
-                for p, vv, d in zip(params, v, inv_d, strict=True):
-                    self.state[p].update(v=vv, G=self._zeros(p), inv_d=d)
-            phase, lr = 1, "lr2"
+            return ClipPlan(self.max_grad_norm)
+        if pos > self.s1:
+            return ClipPlan(self.max_grad_norm2, scale=[self.state[p]["inv_d"] for p in params])
+        # The refresh, stored by _apply only once the clipped sum is formed (all or nothing).
+        groups = self._groups_of()
+        v = [dp2_refreshed_v(self.state[p]["v"], self.state[p]["G"], self.s1, g["beta"], self.preconditioner)
+             for p, g in zip(params, groups, strict=True)]  # fmt: skip
+        inv_d = [1 / (vv.sqrt() + g["eps"]) for vv, g in zip(v, groups, strict=True)]
+        return ClipPlan(self.max_grad_norm2, scale=inv_d, carry=v)
+
+    def _apply(self, params, sums, c_total, t, noise, plan):
+        if plan.carry is not None:
+            for p, vv, d in zip(params, plan.carry, plan.scale, strict=True):
+                self.state[p].update(v=vv, G=self._zeros(p), inv_d=d)
+        inv_b = 1.0 / self.expected_batch_size
+        phase, lr = (0, "lr") if self.phase(t) == "sgd" else (1, "lr2")
         hyper = lambda g: dict(inv_b=inv_b, lr=g[lr], phase=phase)  # noqa: E731
-        self._run(DP2_ARGS, params, sums, hyper, noise, self.noise_multiplier * C, t)
+        self._run(DP2_ARGS, params, sums, hyper, noise, self.noise_multiplier * plan.C, t)

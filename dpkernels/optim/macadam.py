@@ -8,7 +8,16 @@ from torch import Tensor
 
 from .._kernel_args import MACADAM
 from ..reference.optim import macadam_kappa
-from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
+from ._base import (
+    GAMMA_PRIME_REL,
+    ClipPlan,
+    DPOptimizer,
+    _check_number,
+    bias,
+    check_betas,
+    gamma_prime_defaults,
+    gamma_prime_of,
+)
 
 __all__ = ["DPMacAdam", "macadam_h_defaults"]
 
@@ -113,6 +122,12 @@ class DPMacAdam(DPOptimizer):
         for g in self.param_groups:
             self._resolve_h(g)
 
+    @classmethod
+    def _whole_model_defaults(cls, kwargs, numel):
+        h1, h2 = macadam_h_defaults(numel)
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        return {"h1": h1, "h2": h2, "b0": 1.0 / numel, **given}
+
     def _resolve_h(self, group: dict) -> None:
         """Set a group's ``h1``/``h2`` of ``None`` to the default for ``d``; check ``0 < h1 <= h2``."""
         given = {k: group.get(k) is not None for k in self._default_h}
@@ -145,12 +160,14 @@ class DPMacAdam(DPOptimizer):
         super()._load_global_state(dp)
         self.bscale = float(dp["bscale"])
 
-    def _update(self, params, grad_sets, t, noise):
-        C, B, sigma = self.max_grad_norm, self.expected_batch_size, self.noise_multiplier
-        sums, c_total = self._clip_sums(
-            grad_sets, C, shift=[self.state[p]["shift"] for p in params],
+    def _plan(self, params, t):
+        return ClipPlan(
+            self.max_grad_norm, shift=[self.state[p]["shift"] for p in params],
             scale=[self.state[p]["inv_b_unnorm"] for p in params], norm_scale=1.0 / self.bscale,
         )  # fmt: skip
+
+    def _apply(self, params, sums, c_total, t, noise, plan):
+        C, B, sigma = plan.C, self.expected_batch_size, self.noise_multiplier
         c_total = float(c_total)
         bc = 0 if not self.bias_correction else (1 if self.bc_scale == "paper" else 2)
         kappas = {id(g): macadam_kappa(t, g["betas"][0]) for g in self.param_groups}
@@ -167,4 +184,4 @@ class DPMacAdam(DPOptimizer):
 
         sums_sqrt = self._run(MACADAM, params, sums, hyper, noise, sigma * C, t)
         if any(kappas.values()):
-            self.bscale = math.sqrt(sum(float(x) for x in sums_sqrt))
+            self.bscale = math.sqrt(self._sum_over_shards(sum(float(x) for x in sums_sqrt)))

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .._kernel_args import FILTER, SGD
 from ..reference.optim import PMLF_PRESETS, pmlf_momentum_coeffs, pmlf_next_correction
-from ._base import INDEPENDENT, DPOptimizer, _check_number
+from ._base import INDEPENDENT, ClipPlan, DPOptimizer, _check_number
 
 __all__ = ["DPSGD", "DPPMLF"]
 
@@ -46,16 +46,12 @@ class DPSGD(DPOptimizer):
     def _init_state(self, p):
         return {"momentum_buffer": self._zeros(p)}
 
-    def _update(self, params, grad_sets, t, noise):
-        sums, _ = self._clip_sums(grad_sets, self.max_grad_norm)
-        self._update_from_sums(params, sums, t, noise, self.max_grad_norm)
-
-    def _update_from_sums(self, params, sums, t, noise, delta):
+    def _apply(self, params, sums, c_total, t, noise, plan):
         inv_b = 1.0 / self.expected_batch_size
         # Heavy-ball buf ← μ·buf + d is the filter y = 1·d + μ·S, S ← y.
         self._run(
             SGD, params, sums, lambda g: dict(inv_b=inv_b, lr=g["lr"], weight_decay=g["weight_decay"]), noise,
-            self.noise_multiplier * delta, t,
+            self.noise_multiplier * plan.C, t,
             state=lambda g, sl: [self.state[p]["momentum_buffer"] for p in params[sl]] if g["momentum"] else [],
             extra=lambda g, sl: (FILTER.pack(a=1.0, g=1.0, c=[g["momentum"]], d=[0.0], e=[1.0], f=[0.0])
                                  if g["momentum"] else INDEPENDENT, []),
@@ -180,10 +176,12 @@ class DPPMLF(DPOptimizer):
             d[K - 1], f[K - 1] = 0.0, 1.0
         return FILTER.pack(a=b[0], g=1.0 / c_t, c=[-x for x in a] + list(b[1:]), d=d, e=e, f=f)
 
-    def _update(self, params, grad_sets, t, noise):
+    def _plan(self, params, t):
+        return ClipPlan(self.max_grad_norm, coeffs=self.momentum_coeffs)
+
+    def _apply(self, params, sums, c_total, t, noise, plan):
         a, b = self.filter_a, self.filter_b
-        C, inv_b = self.max_grad_norm, 1.0 / self.expected_batch_size
-        sums, _ = self._clip_sums(grad_sets, C, coeffs=self.momentum_coeffs)
+        inv_b = 1.0 / self.expected_batch_size
         # t is 1-based here; the paper's index is t − 1, so b_τ exists for τ <= t − 1.
         c_t = pmlf_next_correction(a, b, self._c_hist, t - 1)
         m_slots, v_slots = self._slots(len(a)), self._slots(len(b) - 1)
@@ -201,7 +199,7 @@ class DPPMLF(DPOptimizer):
 
         self._run(
             SGD, params, sums, lambda g: dict(inv_b=inv_b, lr=g["lr"], weight_decay=0.0), noise,
-            self.noise_multiplier * C, t, state=state, extra=extra,
+            self.noise_multiplier * plan.C, t, state=state, extra=extra,
         )  # fmt: skip
         self._c_hist = ([c_t] + self._c_hist)[: len(a)]
         self._ring += 1
