@@ -215,6 +215,28 @@ def test_make_private_data_parallel(ranks):
     assert runs[0]["eps"] == runs[1]["eps"] == acc.get_epsilon(1e-5)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="NCCL needs a CUDA device")
+def test_nccl_data_parallel_and_zero1_on_cuda(tmp_path):
+    """NCCL on the GPUs (one rank per device, at most 2): ZeRO-1 equals data parallel bit for bit, and
+    both equal one process on the whole batch (bit for bit with one rank; to the all-reduce's
+    rounding with two)."""
+    world = min(torch.cuda.device_count(), 2)
+    procs = _launch(world, tmp_path, "nccl")
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"rank {rank}: done" in out, f"rank {rank} failed:\n{out[-4000:]}"
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name in w.NCCL_CONFIGS:
+        single = [p.cpu() for p in w.train(name, device="cuda")]
+        assert not _equal(single, w.initial_params())
+        for r in range(world):
+            assert _equal(results[r][f"zero1/{name}"], results[r][name]), f"{name}, rank {r}"
+            if world == 1:
+                assert _equal(results[r][name], single), name
+            else:
+                torch.testing.assert_close(results[r][name], single, rtol=2e-5, atol=2e-6)
+
+
 def test_dead_rank_raises_not_hangs(tmp_path):
     """Rank 1 exits (one pair of ranks) or stalls (another pair, run at the same time) before its
     second step: rank 0's step raises within 60 s (gloo closes the connection, or the group's 3 s
