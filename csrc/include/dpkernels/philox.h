@@ -56,8 +56,9 @@ DPK_HOST_DEVICE inline float uniform_open0(uint32_t x) {
   return static_cast<float>(x) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 }
 
-// The float type F, its int32 twin I and the conversions the templates below need, for scalars;
-// the CPU kernels define the same for their SIMD lane vectors (csrc/cpu/noise_cpu.h).
+// The float type F, its int32 twin I, the conversions and the lane-wise select the templates below
+// need, for scalars; the CPU kernels define the same for their SIMD lane vectors
+// (csrc/cpu/noise_cpu.h). A comparison of F or I gives a mask that select() takes.
 struct ScalarLanes {
   using F = float;
   using I = int32_t;
@@ -82,6 +83,7 @@ struct ScalarLanes {
   DPK_HOST_DEVICE static I trunc(F x) { return static_cast<I>(x); }
   DPK_HOST_DEVICE static F to_float(I i) { return static_cast<F>(i); }
   DPK_HOST_DEVICE static F splat(float c) { return c; }
+  DPK_HOST_DEVICE static F select(bool mask, F a, F b) { return mask ? a : b; }
   // a b + c for the polynomials (fused where the hardware has it: one rounding, fewer instructions).
   DPK_HOST_DEVICE static F fma(F a, F b, F c) {
 #if defined(__CUDA_ARCH__) || defined(__FMA__)
@@ -102,8 +104,8 @@ DPK_HOST_DEVICE inline F log_open01(F u) {
   F m = Lanes::from_bits((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
   F k = Lanes::to_float((bits >> 23) - 127);
   const auto big = m > 1.41421356f;
-  m = big ? m * 0.5f : m;
-  k = big ? k + 1.0f : k;
+  m = Lanes::select(big, m * 0.5f, m);
+  k = Lanes::select(big, k + 1.0f, k);
   const F f = m - 1.0f, f2 = f * f;
   F p = Lanes::splat(7.0376836292e-2f);
   for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
@@ -140,9 +142,9 @@ DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
   // Quadrant q = j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c).
   const I q = j & 3;
   const auto swap = (q & 1) != 0;
-  const F c = swap ? sn : cs, s = swap ? cs : sn;
-  cos_out = ((q + 1) & 2) != 0 ? -c : c;
-  sin_out = (q & 2) != 0 ? -s : s;
+  const F c = Lanes::select(swap, sn, cs), s = Lanes::select(swap, cs, sn);
+  cos_out = Lanes::select(((q + 1) & 2) != 0, -c, c);
+  sin_out = Lanes::select((q & 2) != 0, -s, s);
 }
 
 // Box-Muller on one word pair: z_first = r cos(2 pi u_b), z_second = r sin(2 pi u_b),
