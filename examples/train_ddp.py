@@ -1,12 +1,13 @@
 """Data-parallel DP-SGD with a dpkernels optimizer, one process per rank (README "Multi-process training").
 
-    torchrun --nproc-per-node 2 examples/train_ddp.py [--zero1]
+    torchrun --nproc-per-node 2 examples/train_ddp.py [--zero1] [--optimizer dpsgd|stp|macadam|dp2]
 
 Each rank draws its own Poisson sample of a synthetic dataset's shard (rate q, so the global batch
 has E = q·N samples on average), computes its per-sample gradients with ``torch.func`` and calls
 ``step()``: the clipped sums are all-reduced and the noise (std σ·C) is drawn once for the global
 batch. ``expected_batch_size`` is the GLOBAL E. ``--zero1`` shards the optimizer state
-(``ShardedDPOptimizer``). Prints the loss on rank 0 and checks that the ranks agree.
+(``ShardedDPOptimizer``; the optimizers whose clip reads their state gather its per-coordinate
+inputs first). Prints the loss on rank 0 and checks that the ranks agree.
 """
 
 import argparse
@@ -16,12 +17,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpkernels.optim import DPSGD, ShardedDPOptimizer
+from dpkernels.optim import DP2, DPSGD, DPAdamSTP, DPMacAdam, ShardedDPOptimizer
+
+#: --optimizer: the class and its own hyper-parameters
+OPTIMIZERS = {
+    "dpsgd": (DPSGD, dict(lr=0.5, momentum=0.9)),
+    "stp": (DPAdamSTP, dict(lr=0.02, eps1=0.1)),
+    "macadam": (DPMacAdam, dict(lr=0.02)),
+    "dp2": (DP2, dict(lr=0.5, s1=5, s2=5)),
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--zero1", action="store_true")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="dpsgd")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -37,10 +47,11 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 2))
     params = dict(model.named_parameters())
     privacy = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=int(q * n), seed=1234)
+    cls, hyper = OPTIMIZERS[args.optimizer]
     if args.zero1:
-        opt = ShardedDPOptimizer(DPSGD, model.parameters(), lr=0.5, momentum=0.9, **privacy)
+        opt = ShardedDPOptimizer(cls, model.parameters(), **hyper, **privacy)
     else:
-        opt = DPSGD(model.parameters(), lr=0.5, momentum=0.9, distributed=True, **privacy)
+        opt = cls(model.parameters(), distributed=True, **hyper, **privacy)
 
     def loss_one(p, xi, yi):
         return nn.functional.cross_entropy(torch.func.functional_call(model, p, (xi[None],)), yi[None])
