@@ -15,16 +15,17 @@ epochs.
 Tuning (the same procedure and budget for every algorithm). :data:`SEARCH` lists each algorithm's
 own hyper-parameters as geometric (or integer) grids around a centre: the learning rate always, and
 the clip C (DP-SGD, DP-Adam, STP), STP's ε₁, MacAdam's h₁ and h₂ (factors on its defaults for the
-model's d), DP-AdamBC's relative γ' (``ρ`` of ``γ' = ρ·Φ̄``), DP²'s lr₂ and C₂, PMLF's β and k, and the r of
-DP-PSAC and Auto-S. :func:`search` (coordinate search from the centre, each axis swept and extended
-outward while that improves) tries ``budget`` configurations per (algorithm, ε), the same for every
-algorithm; if its choice then still has an untried neighbour, up to ``extension`` more are tried, only
-around the chosen point, until it is interior (their number is reported). A configuration's score is its mean validation
-accuracy over the tuning seeds (:data:`TUNING_SEEDS`), ties broken by the mean validation loss; no
-training-set statistic enters the choice. The chosen configuration is then trained on ``seeds``
-test seeds shared by every algorithm (model init, Poisson batches and noise all change with the
-seed), so comparisons are paired. The tuning runs spend privacy budget that a deployed model would
-have to account for (the usual caveat of tuned DP results); the reported ε is that of one final run.
+model's d), DP-AdamBC's relative γ' (``ρ`` of ``γ' = ρ·Φ̄``), DP²'s lr₂ and C₂, PMLF's β and k, and
+the r of DP-PSAC and Auto-S. :func:`search` (coordinate search from the centre, each axis swept and
+extended outward while that improves) tries ``budget`` configurations per (algorithm, ε), the same
+for every algorithm; if its choice then still has an untried neighbour, up to ``extension`` more are
+tried, only around the chosen point, until it is interior (their number is reported). A
+configuration's score is its mean validation accuracy over the tuning seeds (:data:`TUNING_SEEDS`),
+ties broken by the mean validation loss; no training-set statistic enters the choice. The chosen
+configuration is then trained on ``seeds`` test seeds shared by every algorithm (model init, Poisson
+batches and noise all change with the seed), so comparisons are paired. The tuning runs spend
+privacy budget that a deployed model would have to account for (the usual caveat of tuned DP
+results); the reported ε is that of one final run.
 
 Reported per algorithm and ε: test accuracy mean ± 95% Student-t interval over the test seeds, the
 chosen configuration (with the configurations used beyond the budget, and flagged if it still sits
@@ -351,6 +352,9 @@ def search(
     ``budget`` is the extension used), and whether the best still sits on an edge."""
     scores: dict[tuple[int, ...], tuple] = {}
 
+    def moved(idx, k, d):  # idx one step d along axis k
+        return idx[:k] + (idx[k] + d,) + idx[k + 1 :]
+
     def valid(idx):
         return all(a.valid(i) for a, i in zip(axes, idx, strict=True)) and (allowed is None or allowed(idx))
 
@@ -360,7 +364,7 @@ def search(
         return scores.get(idx)
 
     def untried(best):
-        nbs = (best[:k] + (best[k] + d,) + best[k + 1 :] for k in range(len(axes)) for d in (1, -1))
+        nbs = (moved(best, k, d) for k in range(len(axes)) for d in (1, -1))
         return [nb for nb in nbs if nb not in scores and valid(nb)]
 
     best = (0,) * len(axes)
@@ -371,7 +375,7 @@ def search(
         for k in range(len(axes)):
             for step in (1, -1):
                 while True:
-                    cand = best[:k] + (best[k] + step,) + best[k + 1 :]
+                    cand = moved(best, k, step)
                     got = score(cand)
                     if got is None or got <= scores[best]:
                         break

@@ -476,7 +476,8 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer's :meth:`_plan`."""
         params = self._params()
         t = self._begin_step(params)
-        plan = plan or self._plan(params, t)
+        if plan is None:
+            plan = self._plan(params, t)
         if noise is None and self.rng != "philox" and self.noise_multiplier > 0:
             noise = self._secure_noise(params, t, plan.C)
         sums, c_total = clip(plan)

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._kernel_args import ADAM
-from ._base import (
-    GAMMA_PRIME_REL,
-    ClipPlan,
-    DPOptimizer,
-    _check_number,
-    bias,
-    check_betas,
-    gamma_prime_defaults,
-    gamma_prime_of,
-)
+from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
 
 __all__ = ["DPAdam", "DPAdamBC", "DPAdamSTP"]
 
@@ -218,4 +211,4 @@ class DPAdamSTP(_AdamFamily):
         return st
 
     def _plan(self, params, t):
-        return ClipPlan(self.max_grad_norm, scale=[self.state[p]["scale"] for p in params])
+        return dataclasses.replace(super()._plan(params, t), scale=[self.state[p]["scale"] for p in params])

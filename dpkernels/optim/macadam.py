@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from torch import Tensor
 
 from .._kernel_args import MACADAM
 from ..reference.optim import macadam_kappa
-from ._base import (
-    GAMMA_PRIME_REL,
-    ClipPlan,
-    DPOptimizer,
-    _check_number,
-    bias,
-    check_betas,
-    gamma_prime_defaults,
-    gamma_prime_of,
-)
+from ._base import GAMMA_PRIME_REL, DPOptimizer, _check_number, bias, check_betas, gamma_prime_defaults, gamma_prime_of
 
 __all__ = ["DPMacAdam", "macadam_h_defaults"]
 
@@ -161,8 +153,8 @@ class DPMacAdam(DPOptimizer):
         self.bscale = float(dp["bscale"])
 
     def _plan(self, params, t):
-        return ClipPlan(
-            self.max_grad_norm, shift=[self.state[p]["shift"] for p in params],
+        return dataclasses.replace(
+            super()._plan(params, t), shift=[self.state[p]["shift"] for p in params],
             scale=[self.state[p]["inv_b_unnorm"] for p in params], norm_scale=1.0 / self.bscale,
         )  # fmt: skip
 

@@ -7,6 +7,7 @@ layout): heavy-ball momentum is one buffer, DP-PMLF's IIR filter runs over rings
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from .._kernel_args import FILTER, SGD
 from ..reference.optim import PMLF_PRESETS, pmlf_momentum_coeffs, pmlf_next_correction
-from ._base import INDEPENDENT, ClipPlan, DPOptimizer, _check_number
+from ._base import INDEPENDENT, DPOptimizer, _check_number
 
 __all__ = ["DPSGD", "DPPMLF"]
 
@@ -177,7 +178,7 @@ class DPPMLF(DPOptimizer):
         return FILTER.pack(a=b[0], g=1.0 / c_t, c=[-x for x in a] + list(b[1:]), d=d, e=e, f=f)
 
     def _plan(self, params, t):
-        return ClipPlan(self.max_grad_norm, coeffs=self.momentum_coeffs)
+        return dataclasses.replace(super()._plan(params, t), coeffs=self.momentum_coeffs)
 
     def _apply(self, params, sums, c_total, t, noise, plan):
         a, b = self.filter_a, self.filter_b
