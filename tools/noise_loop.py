@@ -1,0 +1,39 @@
+"""Build tools/noise_loop.cpp once per CPU path with that path's flags (tools/build_config.py) and
+run each on one core: the generators' cost without the op around them (docs/BENCHMARKS.md).
+
+    .venv/bin/python tools/noise_loop.py [--core 1]
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.utils.cpp_extension as ext
+
+sys.path.insert(0, str(Path(__file__).parent))
+import build_config as cfg  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--core", type=int, default=1, help="the core each run is pinned to (%(default)s)")
+    args = ap.parse_args()
+    lib = Path(ext.library_paths()[0])
+    includes = [f"-I{d}" for d in [*cfg.include_dirs(), *ext.include_paths()]]
+    with tempfile.TemporaryDirectory() as tmp:
+        for cap in cfg.CPU_CAPABILITIES:
+            exe = Path(tmp) / f"noise_loop_{cap}"
+            subprocess.run(["g++", *cfg.cxx_flags(cap), *includes, str(HERE / "noise_loop.cpp"), "-o", str(exe),
+                            f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"], check=True)  # fmt: skip
+            run = ["taskset", "-c", str(args.core), str(exe)]
+            out = subprocess.run(run, check=True, capture_output=True, text=True)
+            print(f"{cap:8s} {out.stdout.strip()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
