@@ -25,8 +25,9 @@ Backends (op family ``layers``): ``reference`` materialises per-sample gradients
 (dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
 and the tiled product as the native ops ``dpkernels_C::linear_sumsq_tiled`` and
 ``dpkernels_C::conv2d_sumsq_tiled`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu); ``triton`` runs the
-tiled product in Triton (triton_kernels/layers.py). The tiled product of a conv reads its patches in
-place (implicit im2col) on every backend but ``reference``.
+tiled product in Triton (triton_kernels/layers.py). The tiled product of a conv never builds its
+patches on any backend but ``reference``: the CPU's is a direct kernel over a channels-last copy
+of the input rows, CUDA's and Triton's gather the patches in place (implicit im2col).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ _PATCH_CHUNK_ELEMS = 1 << 18
 # flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py (docs/BENCHMARKS.md,
 # "Book-keeping"), least total slowdown over the grid for any value in [0.625, 1).
 GRAM_CROSSOVER = 0.75
-# The same for a conv (conv2d_sumsq): there the tiled product reads the patches in place and the Gram
-# form builds them. tools/bk_crossover.py --conv (docs/BENCHMARKS.md): least total slowdown over 16
-# shapes for any value in [0.28, 0.56).
-CONV_GRAM_CROSSOVER = 0.3
+# The same for a conv (conv2d_sumsq): there the tiled product reads the input in place (the CPU's
+# direct kernel runs at the framework's weight-gradient speed) and the Gram form builds the patches.
+# tools/bk_crossover.py --conv (docs/BENCHMARKS.md): least total slowdown over 16 shapes for any
+# value in [0.017, 0.035).
+CONV_GRAM_CROSSOVER = 0.025
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,7 +156,10 @@ def test_opcheck():
 # conv2d_sumsq_tiled. (B, C, H, W, O, kernel, stride, padding, dilation): a 3x3 "same" conv; more than
 # one CUDA tile along d_in = C kh kw (81) and d_out (70), T = 90 ending inside a 16-position chunk;
 # stride and dilation on both axes, asymmetric kernel and padding; a 1x1 conv; padding past the
-# kernel's reach (output positions whose patch lies wholly outside the image).
+# kernel's reach (output positions whose patch lies wholly outside the image); for the CPU's direct
+# kernel more than one block along O (150 channels: 5 panels of 32, 10 of 16) and along the columns
+# (three 120-column kernel rows), and several chunks of whole output rows (T = 380 > 256), one of
+# them a 300-position row.
 CONV_SHAPES = [
     (2, 3, 7, 6, 5, (3, 3), (1, 1), (1, 1), (1, 1)),
     (2, 9, 10, 9, 70, (3, 3), (1, 1), (1, 1), (1, 1)),
@@ -164,6 +167,8 @@ CONV_SHAPES = [
     (3, 4, 8, 8, 7, (3, 3), (2, 2), (2, 2), (2, 2)),
     (2, 5, 4, 6, 3, (1, 1), (1, 1), (0, 0), (1, 1)),
     (1, 2, 3, 3, 4, (2, 2), (1, 1), (3, 3), (1, 1)),
+    (2, 40, 20, 19, 150, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 3, 3, 600, 5, (3, 3), (1, 2), (1, 1), (1, 1)),
 ]
 
 
