@@ -17,8 +17,10 @@ layer               per-sample norm / clipped sum
 ``nn.Conv2d``       :func:`~dpkernels.layers.conv2d_sumsq` (implicit im2col) / the layer's own
                     weight gradient with ``w`` folded in; bias ``Σ_hw G_i`` (zero padding)
 ``nn.Embedding``    segment sum over (sample, token id), ``padding_idx`` included
+``nn.GroupNorm``    per-sample weight and bias gradients ``[B, C]`` from the layer's own
+                    backward (one ``native_group_norm_backward``, no renormalisation)
 anything else       that layer's per-sample gradients, from Opacus's grad sampler (LayerNorm,
-                    GroupNorm, RMSNorm, ...) or its functorch fallback, dropped after use
+                    RMSNorm, ...) or its functorch fallback, dropped after use
 ==================  ============================================================================
 
 Small per-sample gradients (biases, norm layers, fallbacks) go through the clip family's
@@ -148,6 +150,38 @@ class _EmbeddingFn(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         ctx.rec.calls[ctx.fid].append(_Call((ids,), gy.detach(), 1.0))
         return None, None, None, None, None
+
+
+class _GroupNormFn(torch.autograd.Function):
+    """``F.group_norm`` whose backward returns the input gradient only and records the per-sample
+    gradients of the weight and bias, ``[B, C]`` each, with ``rule.record``. One
+    ``native_group_norm_backward`` over the batch seen as a single sample of ``B·C`` channels in
+    ``B·G`` groups (the weight repeated ``B`` times) gives the same input gradient and, in that
+    sample's channel ``i·C + c``, sample ``i``'s gradient of channel ``c``: the saved mean and rstd
+    are reused, nothing is normalised again (Opacus's grad sampler renormalises the input: twice
+    the layer's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, rule, fid):
+        x = x.contiguous()  # the [1, B·C, HW] view of the backward
+        N, C = x.shape[:2]
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, N, C, x[0, 0].numel(), groups, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.groups, ctx.rule, ctx.fid = groups, rule, fid
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        N, C = x.shape[:2]
+        rule = ctx.rule
+        trains = {id(p) for p in rule.params}
+        mask = [ctx.needs_input_grad[0], *(id(p) in trains for p in (rule.module.weight, rule.module.bias))]
+        gx, gw, gb = torch.ops.aten.native_group_norm_backward(
+            gy.contiguous(), x, mean, rstd, weight.repeat(N), 1, N * C, x[0, 0].numel(), N * ctx.groups, mask
+        )
+        rule.record(ctx.fid, {rule.module.weight: gw, rule.module.bias: gb}, N)
+        return gx, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,6 +497,31 @@ class _SamplerRule(_Rule):
         return out
 
 
+class _GroupNormRule(_SamplerRule):
+    """An affine GroupNorm: its per-sample gradients formed in its own backward
+    (:class:`_GroupNormFn`), then clipped as a grad sampler's are."""
+
+    def install(self, bk):
+        m = self.module
+        self.params = [p for p in (m.weight, m.bias) if p.requires_grad]
+        self.eager, self.done, self.bk = True, defaultdict(list), bk
+        m.forward = self.call
+
+    def uninstall(self):
+        if "forward" in self.module.__dict__:
+            del self.module.forward
+
+    def call(self, x):
+        m = self.module
+        if not (self.bk.recording and torch.is_grad_enabled() and self.params):
+            return F.group_norm(x, m.num_groups, m.weight, m.bias, m.eps)
+        return _GroupNormFn.apply(x, m.weight, m.bias, m.num_groups, m.eps, self, self.bk.fid)
+
+    def record(self, fid: int, grads: dict, batch: int) -> None:
+        if self.bk.recording:
+            self.done[fid].append(_Grads(tuple(grads[p].view(batch, -1) for p in self.params), None, 1.0))
+
+
 def _rule_for(module: nn.Module) -> _Rule:
     if type(module) is nn.Linear:
         return _LinearRule(module)
@@ -470,6 +529,8 @@ def _rule_for(module: nn.Module) -> _Rule:
         return _Conv2dRule(module)
     if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse:
         return _EmbeddingRule(module)
+    if type(module) is nn.GroupNorm and module.affine:
+        return _GroupNormRule(module)
     return _SamplerRule(module)
 
 

@@ -296,10 +296,11 @@ def test_overflowing_clipped_sum_raises(backend_device):
 
 
 def test_frozen_weight_trainable_bias(backend_device):
-    """A Linear/Conv2d whose weight is frozen still clips its bias (its G is recorded)."""
+    """A Linear/Conv2d/GroupNorm whose weight is frozen still clips its bias (its G is recorded)."""
     backend, dev = backend_device
     model = _build("cnn", device=dev)
     model[0].weight.requires_grad_(False)
+    model[1].weight.requires_grad_(False)
     model[5].weight.requires_grad_(False)
     x, y = _batch("cnn", 4, dev)
     want_s, want_n = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x, y), 0.5, backend="reference")
