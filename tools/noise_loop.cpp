@@ -1,6 +1,7 @@
 // The CPU generators in a loop on one core, without the op around them (no allocation, threads or
-// dispatch): ns per normal of Philox + Box-Muller (normal_run), and ns per pair of ChaCha20 words
-// (chacha_run), best of 9 passes over 4.5 M elements, and an FNV-1a hash of every normal's bits.
+// dispatch): ns per normal of Philox + Box-Muller (normal_run), ns per pair of ChaCha20 words
+// (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
+// best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
 // Built and run by tools/noise_loop.py. The hashes of the avx512 and avx2 builds agree; this
 // standalone portable build's differs (GCC compiles its Box-Muller differently here than in the
 // module, whose bits tests/test_cpu_capability.py checks on every path), so its time is indicative.
@@ -45,6 +46,18 @@ int main() {
     for (int64_t run = 0; run < static_cast<int64_t>(words.size()) / cpu::kChachaWordRun; ++run)
       cpu::chacha_run(run * cpu::kBatch, ckey, words.data() + run * cpu::kChachaWordRun);
   });
-  std::printf("philox normal %.3f ns  chacha20 word pair %.3f ns  hash %016llx\n", normals / n * 1e9,
-              chacha / words.size() * 2e9, static_cast<unsigned long long>(hash));
+  std::vector<double> zd(n / cpu::kChachaNormalRun * cpu::kChachaNormalRun);
+  const double chacha_normals = best_seconds([&] {
+    for (int64_t run = 0; run < static_cast<int64_t>(zd.size()) / cpu::kChachaNormalRun; ++run)
+      cpu::chacha_normal_run(run * cpu::kBatch, ckey, zd.data() + run * cpu::kChachaNormalRun);
+  });
+  uint64_t chacha_hash = 1469598103934665603ull;
+  for (const double v : zd) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    chacha_hash = (chacha_hash ^ bits) * 1099511628211ull;
+  }
+  std::printf("philox normal %.3f ns  chacha20 word pair %.3f ns  chacha20 normal %.3f ns  hashes %016llx %016llx\n",
+              normals / n * 1e9, chacha / words.size() * 2e9, chacha_normals / zd.size() * 1e9,
+              static_cast<unsigned long long>(hash), static_cast<unsigned long long>(chacha_hash));
 }
