@@ -113,17 +113,25 @@ void zero_panel_tail(float* dst, int64_t tc, int64_t n) {
 
 using Tile = fVec[kMR][kNV];
 
-// acc[r][v] += Σ_{t < tc} g[t][r] · a[t][v-th vector], g and a packed micro-panels.
-inline void micro_kernel(const float* __restrict__ g, const float* __restrict__ a, int64_t tc, Tile& acc) {
-  for (int64_t t = 0; t < tc; ++t, g += kMR, a += kNR) {
-    fVec x[kNV];
+// acc[r][v] += Σ over nr rows of len steps of b[r] · y[v-th vector]: b (the broadcast operand)
+// advances b_step floats per step and starts each row row_step floats after the last; y (packed,
+// kNR per step) advances kNR. The linear kernel's panels are one row of b_step = kMR; the direct
+// conv kernel's rows are the output rows of a chunk.
+template <int MR>
+inline void fma_tile(const float* __restrict__ b, const float* __restrict__ y, int64_t nr, int64_t len,
+                     int64_t row_step, int64_t b_step, fVec (&acc)[MR][kNV]) {
+  for (int64_t row = 0; row < nr; ++row) {
+    const float* bp = b + row * row_step;
+    for (int64_t t = 0; t < len; ++t, bp += b_step, y += kNR) {
+      fVec x[kNV];
 #pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) x[v] = fVec::loadu(a + v * fVec::size());
-#pragma GCC unroll 8
-    for (int r = 0; r < kMR; ++r) {
-      const fVec b(g[r]);
+      for (int v = 0; v < kNV; ++v) x[v] = fVec::loadu(y + v * fVec::size());
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const fVec bc(bp[r]);
 #pragma GCC unroll 4
-      for (int v = 0; v < kNV; ++v) acc[r][v] = at::vec::fmadd(b, x[v], acc[r][v]);
+        for (int v = 0; v < kNV; ++v) acc[r][v] = at::vec::fmadd(bc, x[v], acc[r][v]);
+      }
     }
   }
 }
@@ -317,7 +325,7 @@ struct LinearKernel {
               if constexpr (kScale) __builtin_prefetch(sc + r * s.d_in, 0, 3);
             }
           }
-          micro_kernel(w.g.data() + p * tc * kMR, ap, tc, acc);
+          fma_tile(w.g.data() + p * tc * kMR, ap, 1, tc, 0, kMR, acc);
           if (!last) {
             for (int r = 0; r < kMR; ++r) {
               for (int v = 0; v < kNV; ++v) acc[r][v].store(parked + r * kNR + v * fVec::size());
@@ -348,27 +356,6 @@ using ConvTile = fVec[kConvMR][kNV];
 // Block: kConvPanelsO o-panels × kConvPanelsK column tiles.
 constexpr int64_t kConvPanelsO = 4;
 constexpr int64_t kConvPanelsK = 16;
-
-// acc[r][v] += Σ over the chunk's positions of xs[position + r] · g[position][v-th vector]: nr output
-// rows of W_out positions; xs advances row_step floats per output row and col_step per position,
-// gp kNR floats per position.
-inline void conv_micro_kernel(const float* __restrict__ gp, const float* __restrict__ xs, int64_t row_step,
-                              int64_t col_step, int64_t nr, int64_t W_out, ConvTile& acc) {
-  for (int64_t oh = 0; oh < nr; ++oh) {
-    const float* xp = xs + oh * row_step;
-    for (int64_t ow = 0; ow < W_out; ++ow, xp += col_step, gp += kNR) {
-      fVec y[kNV];
-#pragma GCC unroll 4
-      for (int v = 0; v < kNV; ++v) y[v] = fVec::loadu(gp + v * fVec::size());
-#pragma GCC unroll 16
-      for (int r = 0; r < kConvMR; ++r) {
-        const fVec b(xp[r]);
-#pragma GCC unroll 4
-        for (int v = 0; v < kNV; ++v) acc[r][v] = at::vec::fmadd(b, y[v], acc[r][v]);
-      }
-    }
-  }
-}
 
 // Σ y² over the first `rows` rows of a tile, y = bk_shift_scale(acc, shift, scale), sh/sc pointing at
 // the tile's first element of the permuted [column][O_p] shift/scale. Padding channels (o >= O)
@@ -512,7 +499,7 @@ struct DirectConvKernel {
           // Segment seg starts at kernel row r (and tap s when dilation_w > 1) of xs.
           const int64_t r = whole_rows ? seg : seg / c.kw, s = whole_rows ? 0 : seg % c.kw;
           const float* xs = w.x.data() + (r * c.dilation_h * Wp + s * c.dilation_w) * c.C + col0;
-          conv_micro_kernel(gp, xs, row_step, col_step, nr, c.W_out, acc);
+          fma_tile(xs, gp, nr, c.W_out, row_step, col_step, acc);
           if (!last) {
             for (int q = 0; q < kConvMR; ++q) {
               for (int v = 0; v < kNV; ++v) acc[q][v].store(parked + q * kNR + v * fVec::size());
