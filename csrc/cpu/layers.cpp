@@ -136,14 +136,17 @@ inline void fma_tile(const float* __restrict__ b, const float* __restrict__ y, i
   }
 }
 
-// Σ y² over a whole tile in fp32, y = bk_shift_scale(acc, shift, scale); sh/sc point at the tile's
-// first element of the [d_out, d_in] shift/scale (row stride ld).
-template <bool kShift, bool kScale>
-inline fVec tile_sumsq(const Tile& acc, const float* sh, const float* sc, int64_t ld) {
+// Σ y² over the first `rows` rows of a tile in fp32, y = bk_shift_scale(acc, shift, scale); sh/sc
+// point at the tile's first element of a shift/scale laid out like the tile (row stride ld): the
+// linear kernel's [d_out, d_in], the direct conv kernel's permuted [column][O_p].
+template <bool kShift, bool kScale, int MR>
+inline fVec tile_sumsq(const fVec (&acc)[MR][kNV], const float* sh, const float* sc, int64_t ld,
+                       int64_t rows = MR) {
   fVec s[kNV];
   for (auto& x : s) x = fVec(0.f);
-#pragma GCC unroll 8
-  for (int r = 0; r < kMR; ++r) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    if (r >= rows) break;
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
       const int64_t off = r * ld + v * fVec::size();
@@ -357,30 +360,6 @@ using ConvTile = fVec[kConvMR][kNV];
 constexpr int64_t kConvPanelsO = 4;
 constexpr int64_t kConvPanelsK = 16;
 
-// Σ y² over the first `rows` rows of a tile, y = bk_shift_scale(acc, shift, scale), sh/sc pointing at
-// the tile's first element of the permuted [column][O_p] shift/scale. Padding channels (o >= O)
-// hold g = 0 and shift = scale = 0: their y is 0.
-template <bool kShift, bool kScale>
-inline fVec conv_tile_sumsq(const ConvTile& acc, const float* sh, const float* sc, int64_t ld, int64_t rows) {
-  fVec s[kNV];
-  for (auto& x : s) x = fVec(0.f);
-#pragma GCC unroll 16
-  for (int r = 0; r < kConvMR; ++r) {
-    if (r >= rows) break;
-#pragma GCC unroll 4
-    for (int v = 0; v < kNV; ++v) {
-      const int64_t off = r * ld + v * fVec::size();
-      fVec shift(0.f), scale(1.f);
-      if constexpr (kShift) shift = fVec::loadu(sh + off);
-      if constexpr (kScale) scale = fVec::loadu(sc + off);
-      const fVec y = bk_shift_scale<kShift, kScale>(acc[r][v], shift, scale);
-      s[v] = at::vec::fmadd(y, y, s[v]);
-    }
-  }
-  for (int v = 1; v < kNV; ++v) s[0] = s[0] + s[v];
-  return s[0];
-}
-
 // Per-thread buffers of DirectConvKernel.
 struct ConvScratch {
   std::vector<float> x, g, tile;
@@ -506,10 +485,12 @@ struct DirectConvKernel {
             }
             continue;
           }
+          // Rows past the segment's end hold other columns' products: skipped. Padding channels
+          // (o >= O) hold g = 0 and shift = scale = 0: their y is 0.
           const int64_t off = (seg * seg_len + col0) * O_p + (p0 + p) * kNR;
           const int64_t rows = std::min<int64_t>(kConvMR, seg_len - col0);
-          cpu::widen_add(conv_tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
-                                                         kScale ? ep.scale + off : nullptr, O_p, rows),
+          cpu::widen_add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
+                                                    kScale ? ep.scale + off : nullptr, O_p, rows),
                          dacc);
         }
       }
