@@ -260,8 +260,10 @@ def test_auto_method_choice():
     assert L._pick_method("auto", 4, 256, 256, False) == "gram"
     assert L._pick_method("auto", 4, 256, 256, True) == "tiled"
     assert L._pick_method("auto", 512, 64, 64, False) == "tiled"
-    # conv (d_in = C_in·kh·kw): Gram at 4x4 with 256 channels, tiled at 16x16 with 32 (patches read in place)
-    assert L._pick_conv_method("auto", 16, 256, 2304, False) == "gram"
+    # conv (d_in = C_in·kh·kw): Gram at 2x2 with 256 channels, tiled from 4x4 and at 16x16 with 32
+    # (CONV_GRAM_CROSSOVER, measured by tools/bk_crossover.py --conv)
+    assert L._pick_conv_method("auto", 4, 256, 2304, False) == "gram"
+    assert L._pick_conv_method("auto", 16, 256, 2304, False) == "tiled"
     assert L._pick_conv_method("auto", 16, 256, 2304, True) == "tiled"
     assert L._pick_conv_method("auto", 256, 32, 288, False) == "tiled"
     assert L._pick_conv_method("tiled", 16, 256, 2304, False) == "tiled"
