@@ -14,7 +14,7 @@ gives on the per-sample gradients Opacus would have built, with the layer ops of
 layer               per-sample norm / clipped sum
 ==================  ============================================================================
 ``nn.Linear``       :func:`~dpkernels.layers.linear_sumsq` / ``(w ⊙ G)ᵀA``; bias ``Σ_t G_it``
-``nn.Conv2d``       :func:`~dpkernels.layers.conv2d_sumsq` (implicit im2col) / the layer's own
+``nn.Conv2d``       :func:`~dpkernels.layers.conv2d_sumsq` (no patches built) / the layer's own
                     weight gradient with ``w`` folded in; bias ``Σ_hw G_i`` (zero padding)
 ``nn.Embedding``    segment sum over (sample, token id), ``padding_idx`` included
 ``nn.GroupNorm``    per-sample weight and bias gradients ``[B, C]`` from the layer's own
