@@ -136,6 +136,23 @@ inline void fma_tile(const float* __restrict__ b, const float* __restrict__ y, i
   }
 }
 
+// A tile's accumulators across chunks of positions: zero before the first chunk, else parked in
+// memory (MR rows of kNR floats) between chunks.
+template <int MR>
+inline void unpark(fVec (&acc)[MR][kNV], const float* parked, bool first) {
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < kNV; ++v)
+      acc[r][v] = first ? fVec(0.f) : fVec::loadu(parked + r * kNR + v * fVec::size());
+  }
+}
+
+template <int MR>
+inline void park(const fVec (&acc)[MR][kNV], float* parked) {
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < kNV; ++v) acc[r][v].store(parked + r * kNR + v * fVec::size());
+  }
+}
+
 // Σ y² over the first `rows` rows of a tile in fp32, y = bk_shift_scale(acc, shift, scale); sh/sc
 // point at the tile's first element of a shift/scale laid out like the tile (row stride ld): the
 // linear kernel's [d_out, d_in], the direct conv kernel's permuted [column][O_p].
@@ -310,11 +327,7 @@ struct LinearKernel {
         for (int64_t p = 0; p < np; ++p) {
           float* parked = w.tile.data() + (q * np + p) * (kMR * kNR);
           Tile acc;
-          for (int r = 0; r < kMR; ++r) {
-            for (int v = 0; v < kNV; ++v) {
-              acc[r][v] = first ? fVec(0.f) : fVec::loadu(parked + r * kNR + v * fVec::size());
-            }
-          }
+          unpark(acc, parked, first);
           const int64_t rows = std::min<int64_t>(kMR, bo - p * kMR),
                         cols = std::min<int64_t>(kNR, bk - q * kNR);
           const int64_t off = (o0 + p * kMR) * s.d_in + k0 + q * kNR;
@@ -330,9 +343,7 @@ struct LinearKernel {
           }
           fma_tile(w.g.data() + p * tc * kMR, ap, 1, tc, 0, kMR, acc);
           if (!last) {
-            for (int r = 0; r < kMR; ++r) {
-              for (int v = 0; v < kNV; ++v) acc[r][v].store(parked + r * kNR + v * fVec::size());
-            }
+            park(acc, parked);
             continue;
           }
           if (rows == kMR && cols == kNR) {
@@ -470,19 +481,13 @@ struct DirectConvKernel {
           const int64_t u = u0 + uu, seg = u / seg_tiles, col0 = (u % seg_tiles) * kConvMR;
           float* parked = w.tile.data() + (p * kConvPanelsK + uu) * (kConvMR * kNR);
           ConvTile acc;
-          for (int r = 0; r < kConvMR; ++r) {
-            for (int v = 0; v < kNV; ++v) {
-              acc[r][v] = first ? fVec(0.f) : fVec::loadu(parked + r * kNR + v * fVec::size());
-            }
-          }
+          unpark(acc, parked, first);
           // Segment seg starts at kernel row r (and tap s when dilation_w > 1) of xs.
           const int64_t r = whole_rows ? seg : seg / c.kw, s = whole_rows ? 0 : seg % c.kw;
           const float* xs = w.x.data() + (r * c.dilation_h * Wp + s * c.dilation_w) * c.C + col0;
           fma_tile(xs, gp, nr, c.W_out, row_step, col_step, acc);
           if (!last) {
-            for (int q = 0; q < kConvMR; ++q) {
-              for (int v = 0; v < kNV; ++v) acc[q][v].store(parked + q * kNR + v * fVec::size());
-            }
+            park(acc, parked);
             continue;
           }
           // Rows past the segment's end hold other columns' products: skipped. Padding channels
