@@ -17,9 +17,10 @@
 // chunk reads (xs[h][w][c]): column (c, r, s) at position (oh, ow) is xs[oh·sh + r·dh][ow·sw +
 // s·dw][c], so for a fixed kernel row and dilation_w = 1 the kw·C columns (s, c) are one
 // contiguous run and a tile's broadcasts are kConvMR consecutive floats, one pointer per position.
-// Packing patches into panels instead would gather and transpose every patch value once per
-// block (kh·kw times the input), as costly as the products on a small CNN. The epilogue reads
-// shift and scale permuted once per call into the tile's [column][o] order.
+// Packing patches into panels instead gathers and transposes every patch value (kh·kw times the
+// input) once per block: 2.2x the time on a 32 -> 32 channel 3x3 layer at 16x16, B = 32
+// (docs/BENCHMARKS.md, "Book-keeping"). The epilogue reads shift and scale permuted once per call
+// into the tile's [column][o] order.
 //
 // Threads take (sample, block) tasks in sample-major order, or for the linear kernel (block, group
 // of samples) tasks when rereading shift/scale for every sample would cost more than rereading a
