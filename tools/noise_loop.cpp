@@ -2,11 +2,14 @@
 // dispatch): ns per normal of Philox + Box-Muller (normal_run), ns per pair of ChaCha20 words
 // (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
 // best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
+// On the AVX2 and AVX-512 paths also the largest errors of the float64 transform's log_unit and
+// cossin_2pi against long double (64-bit mantissa) on 2^24 random uniforms and on the edges.
 // Built and run by tools/noise_loop.py. The hashes of the avx512 and avx2 builds agree; this
 // standalone portable build's differs (GCC compiles its Box-Muller differently here than in the
 // module, whose bits tests/test_cpu_capability.py checks on every path), so its time is indicative.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -40,6 +43,49 @@ uint64_t fnv1a(const std::vector<T>& v) {
   return hash;
 }
 
+#if defined(__AVX2__)
+// ln u in ulps; cos(2 pi u), sin(2 pi u) absolute (their ulp error is unbounded near their zeros).
+void print_transform_errors() {
+  double log_ulps = 0, cos_abs = 0, sin_abs = 0;
+  int64_t points = 0;
+  const auto check = [&](const double (&u)[cpu::kDoubleLanes]) {
+    cpu::VD x, c, s;
+    std::memcpy(&x, u, sizeof(x));
+    const cpu::VD l = cpu::log_unit(x);
+    cpu::cossin_2pi(x, c, s);
+    for (int k = 0; k < cpu::kDoubleLanes; ++k, ++points) {
+      const long double lu = logl(u[k]), theta = 6.283185307179586476925286766559L * u[k];
+      if (u[k] < 1.0)
+        log_ulps = std::max(log_ulps, double(fabsl(l[k] - lu) / std::ldexp(1.0L, ilogbl(lu) - 52)));
+      cos_abs = std::max(cos_abs, double(fabsl(c[k] - cosl(theta))));
+      sin_abs = std::max(sin_abs, double(fabsl(s[k] - sinl(theta))));
+    }
+  };
+  double u[cpu::kDoubleLanes];
+  uint64_t state = 88172645463325252ull;  // xorshift64
+  for (int64_t i = 0; i < (int64_t{1} << 24) / cpu::kDoubleLanes; ++i) {
+    for (double& x : u) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      x = uniform53(static_cast<uint32_t>(state), static_cast<uint32_t>(state >> 32));
+    }
+    check(u);
+  }
+  // Each power of two down to 2^-54 and the quadrant points q/8, with their neighbours.
+  const auto edge = [&](double x0, int steps) {
+    for (int d = -steps; d <= steps; ++d) {
+      for (int k = 0; k < cpu::kDoubleLanes; ++k)
+        u[k] =
+            std::clamp(x0 + (d * cpu::kDoubleLanes + k) * std::ldexp(x0 > 0 ? x0 : 1.0, -53), 0x1p-54, 1.0);
+      check(u);
+    }
+  };
+  for (int e = 0; e <= 54; ++e) edge(std::ldexp(1.0, -e), 64);
+  for (int q = 0; q <= 8; ++q) edge(q / 8.0, 4096);
+  std::printf("         float64 transform on %lld uniforms: ln u within %.2f ulp, cos %.3g, sin %.3g\n",
+              static_cast<long long>(points), log_ulps, cos_abs, sin_abs);
+}
+#endif
+
 int main() {
   const int64_t n = 4500000 / cpu::kRun * cpu::kRun;
   std::vector<float> z(n);
@@ -63,4 +109,7 @@ int main() {
       "philox normal %.3f ns  chacha20 word pair %.3f ns  chacha20 normal %.3f ns  hashes %016llx %016llx\n",
       normals / n * 1e9, chacha / words.size() * 2e9, chacha_normals / zd.size() * 1e9,
       static_cast<unsigned long long>(fnv1a(z)), static_cast<unsigned long long>(fnv1a(zd)));
+#if defined(__AVX2__)
+  print_transform_errors();
+#endif
 }
