@@ -18,17 +18,17 @@
 namespace dpkernels {
 namespace cpu {
 
-// One U32Vec holds one Philox or ChaCha20 word of kBatch consecutive blocks (lane-major), so counters are
-// built, rounds run and words converted to uniforms without transposes; only the final values
-// are put in element order. Three builds of the same operations (kBatch blocks per run, in
+// One U32Vec holds one Philox or ChaCha20 word of kBatch consecutive blocks (lane-major), so
+// counters are built, rounds run and words converted to uniforms without transposes; only the
+// final values are put in element order. Three builds of the same operations (kBatch blocks per run, in
 // kParts vectors VF of kBatch / kParts lanes each):
 //   AVX-512  16 blocks, one 16-lane vector;
 //   AVX2     16 blocks, two 8-lane vectors: independent chains, which hide the latency the
 //            polynomials leave exposed with one (Philox 1.8x, normals 1.1x faster than 8 blocks);
 //   portable 8 blocks in plain arrays, 16-byte vectors (the width every SIMD baseline has).
-// Box-Muller is written once below on GCC vector types. All three give the same words and the same
-// normals, bit for bit (every fused multiply-add stays fused); the normals agree with the
-// reference to a few ulps (tests).
+// Philox's Box-Muller is written once below on GCC vector types. All three give the same words and
+// the same Philox normals, bit for bit (every fused multiply-add stays fused); the normals agree
+// with the reference to a few ulps (tests). ChaCha20's float64 normals: see box_muller64_lanes.
 #if defined(__AVX512F__)
 constexpr int kBatch = 16;
 
