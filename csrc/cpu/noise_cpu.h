@@ -122,8 +122,8 @@ inline void mulhilo32(uint32_t m, Lane8 a, Lane8& hi, Lane8& lo) {
 
 // Two 8-lane registers per Philox or ChaCha20 word, so every operation is two independent
 // instructions, which hides the latency of the chains that one register's worth of work leaves
-// exposed (ChaCha20 too, although its 32 live registers then spill: 1.08x faster than one half
-// after the other).
+// exposed (ChaCha20 too, although its 32 live registers then spill: word pairs 1.07x faster than
+// with one half after the other, docs/BENCHMARKS.md).
 struct U32Vec {
   Lane8 h[2];
   static U32Vec broadcast(uint32_t x) { return {{Lane8::broadcast(x), Lane8::broadcast(x)}}; }
@@ -450,9 +450,10 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
 // on GCC vector types, so both paths give the same bits: against a 64-bit-mantissa reference on
 // 1.7e7 uniforms (random, and every edge: u near 1, 2^-54 and the quadrant points), ln u within
 // 0.81 ulp and cos, sin within 1.5e-16, closer than cos(theta) of the rounded theta the reference
-// takes (up to 4.4e-16). They cost 2.0x less than Sleef's 3.5-ulp log and sincos on AVX2 (1.16x on
-// AVX-512, whose Sleef log has vgetexp). The portable path calls the C library's log, sin and cos.
-// The last-bit differences between the two vanish in the one rounding to the output dtype except
+// takes (up to 4.4e-16; tools/noise_loop.py prints these errors). They replaced Sleef's log and
+// sincos; with the interleaved keystream above, a ChaCha20 normal costs 1.2x less on AVX2
+// (docs/BENCHMARKS.md). The portable path calls the C library's log, sin and cos. The last-bit
+// differences between the two vanish in the one rounding to the output dtype except
 // within ~1e-15 of a rounding boundary (docs/RNG.md §6).
 #if defined(__AVX512F__)
 constexpr int kDoubleLanes = 8;  // one register
