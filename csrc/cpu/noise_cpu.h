@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "dpkernels/chacha20.h"
 #include "dpkernels/macros.h"
@@ -23,10 +25,11 @@ namespace cpu {
 // final values are put in element order. Three builds of the same operations (kBatch blocks per run, in
 // kParts vectors VF of kBatch / kParts lanes each):
 //   AVX-512  16 blocks, one 16-lane vector;
-//   AVX2     16 blocks, two 8-lane vectors: independent chains, which hide the latency the
-//            polynomials leave exposed with one (Philox 1.8x, normals 1.1x faster than 8 blocks);
+//   AVX2     16 blocks, two 8-lane vectors: two independent chains per word, which hide the
+//            multiplies' latency (Philox words 1.8x faster than 8 blocks);
 //   portable 8 blocks in plain arrays, 16-byte vectors (the width every SIMD baseline has).
-// Philox's Box-Muller is written once below on GCC vector types. All three give the same words and
+// Philox's Box-Muller is written once below on GCC vector types, kChains VF registers at a time
+// (Chains). All three give the same words and
 // the same Philox normals, bit for bit (every fused multiply-add stays fused); the normals agree
 // with the reference to a few ulps (tests). ChaCha20's float64 normals: see box_muller64_lanes.
 #if defined(__AVX512F__)
@@ -59,8 +62,9 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   hi = {_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd)};
 }
 
-using VF = __m512;         // kBatch fp32 lanes (a GCC vector type, as VF below)
-constexpr int kParts = 1;  // VF vectors per U32Vec
+using VF = float __attribute__((vector_size(64)));  // kBatch fp32 lanes, __m512 without may_alias
+constexpr int kParts = 1;                           // VF vectors per U32Vec
+constexpr int kChains = 2;                          // Box-Muller chains in flight: both word pairs
 inline __m512i part(const U32Vec& x, int) { return x.v; }
 
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
@@ -143,87 +147,17 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
   for (int i = 0; i < 2; ++i) mulhilo32(m, a.h[i], hi.h[i], lo.h[i]);
 }
 
-// Box-Muller on all 16 lanes at once: F16 holds both 8-lane registers of a word, and each of its
-// operations is two independent instructions back to back, so the two chains interleave (1.08x
-// faster than one chain after the other). GCC's own 16-lane vector type would do the same for
-// arithmetic but turns compares and selects into scalar code on AVX2, hence the intrinsics.
-#define DPK_LANE_OP __attribute__((always_inline)) inline
-struct F16 {
-  __m256 v[2];
-};
-struct I16 {
-  __m256i v[2];
-};
-template <typename R, typename A, typename B, typename Op>
-DPK_LANE_OP R lanewise(const A& a, const B& b, Op op) {
-  return {{op(a.v[0], b.v[0]), op(a.v[1], b.v[1])}};
-}
-DPK_LANE_OP F16 splat16(float c) { return {{_mm256_set1_ps(c), _mm256_set1_ps(c)}}; }
-DPK_LANE_OP I16 splat16(int c) { return {{_mm256_set1_epi32(c), _mm256_set1_epi32(c)}}; }
-DPK_LANE_OP F16 operator*(F16 a, F16 b) { return lanewise<F16>(a, b, _mm256_mul_ps); }
-DPK_LANE_OP F16 operator+(F16 a, F16 b) { return lanewise<F16>(a, b, _mm256_add_ps); }
-DPK_LANE_OP F16 operator-(F16 a, F16 b) { return lanewise<F16>(a, b, _mm256_sub_ps); }
-DPK_LANE_OP F16 operator*(F16 a, float c) { return a * splat16(c); }
-DPK_LANE_OP F16 operator*(float c, F16 a) { return splat16(c) * a; }
-DPK_LANE_OP F16 operator+(F16 a, float c) { return a + splat16(c); }
-DPK_LANE_OP F16 operator-(F16 a, float c) { return a - splat16(c); }
-DPK_LANE_OP F16 operator-(F16 a) { return lanewise<F16>(a, splat16(-0.0f), _mm256_xor_ps); }
-// Masks are F16 lanes of all ones or zeros.
-DPK_LANE_OP F16 operator>(F16 a, float c) {
-  return lanewise<F16>(a, splat16(c), [](__m256 x, __m256 y) { return _mm256_cmp_ps(x, y, _CMP_GT_OQ); });
-}
-DPK_LANE_OP I16 operator&(I16 a, int c) { return lanewise<I16>(a, splat16(c), _mm256_and_si256); }
-DPK_LANE_OP I16 operator|(I16 a, int c) { return lanewise<I16>(a, splat16(c), _mm256_or_si256); }
-DPK_LANE_OP I16 operator+(I16 a, int c) { return lanewise<I16>(a, splat16(c), _mm256_add_epi32); }
-DPK_LANE_OP I16 operator-(I16 a, int c) { return lanewise<I16>(a, splat16(c), _mm256_sub_epi32); }
-DPK_LANE_OP I16 operator>>(I16 a, int n) {
-  return {{_mm256_srai_epi32(a.v[0], n), _mm256_srai_epi32(a.v[1], n)}};
-}
-DPK_LANE_OP F16 operator!=(I16 a, int c) {
-  return lanewise<F16>(a, splat16(c), [](__m256i x, __m256i y) {
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(x, y), _mm256_set1_epi32(-1)));
-  });
-}
+// The Box-Muller runs on the native 8-lane vectors, one per half of a word (kParts = 2).
+using VF = float __attribute__((vector_size(32)));  // __m256 without may_alias
+constexpr int kParts = 2;
+constexpr int kChains = 4;  // Box-Muller chains in flight: all four word pairs of a run
+inline __m256i part(const U32Vec& x, int h) { return x.h[h].v; }
 
-// philox.h's ScalarLanes for F16.
-struct VecLanes {
-  using F = F16;
-  using I = I16;
-  static DPK_LANE_OP I bits(F x) { return {{_mm256_castps_si256(x.v[0]), _mm256_castps_si256(x.v[1])}}; }
-  static DPK_LANE_OP F from_bits(I i) { return {{_mm256_castsi256_ps(i.v[0]), _mm256_castsi256_ps(i.v[1])}}; }
-  static DPK_LANE_OP I trunc(F x) { return {{_mm256_cvttps_epi32(x.v[0]), _mm256_cvttps_epi32(x.v[1])}}; }
-  static DPK_LANE_OP F to_float(I i) { return {{_mm256_cvtepi32_ps(i.v[0]), _mm256_cvtepi32_ps(i.v[1])}}; }
-  static DPK_LANE_OP F splat(float c) { return splat16(c); }
-  static DPK_LANE_OP F fma(F a, F b, F c) {
-    return {{_mm256_fmadd_ps(a.v[0], b.v[0], c.v[0]), _mm256_fmadd_ps(a.v[1], b.v[1], c.v[1])}};
-  }
-  static DPK_LANE_OP F select(F mask, F a, F b) {
-    return {{_mm256_blendv_ps(b.v[0], a.v[0], mask.v[0]), _mm256_blendv_ps(b.v[1], a.v[1], mask.v[1])}};
-  }
-};
-
-using VF = F16;
-constexpr int kParts = 1;  // VF vectors per U32Vec
-
-// uniform_open0() of every lane, as the generic uniform_lanes below, with fused multiply-adds:
-// both products are exact (a 16-bit integer times 2^16, a float times 2^-32), so one rounding
-// either way, the same bits.
-DPK_LANE_OP VF uniform_lanes(const U32Vec& x, int) {
-  VF u;
-  for (int i = 0; i < 2; ++i) {
-    const __m256i w = x.h[i].v;
-    const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 16)), _mm256_set1_ps(65536.0f),
-                                     _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF))));
-    u.v[i] =
-        _mm256_fmadd_ps(f, _mm256_set1_ps(2.3283064365386963e-10f), _mm256_set1_ps(1.1641532182693481e-10f));
-  }
-  return u;
-}
-
-DPK_LANE_OP VF vsqrt(VF x) { return {{_mm256_sqrt_ps(x.v[0]), _mm256_sqrt_ps(x.v[1])}}; }
+inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 
 // out[4b + j] = z[j][b] for 8 lanes: a 4x8 transpose in registers.
-inline void store_element_order8(const __m256 z[4], float* out) {
+inline void store_element_order(const VF z[4], float* out) {
   const __m256 t0 = _mm256_unpacklo_ps(z[0], z[1]), t1 = _mm256_unpackhi_ps(z[0], z[1]);
   const __m256 t2 = _mm256_unpacklo_ps(z[2], z[3]), t3 = _mm256_unpackhi_ps(z[2], z[3]);
   const __m256 b04 = _mm256_shuffle_ps(t0, t2, 0x44), b15 = _mm256_shuffle_ps(t0, t2, 0xEE);
@@ -233,16 +167,6 @@ inline void store_element_order8(const __m256 z[4], float* out) {
   _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(b04, b15, 0x31));
   _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(b26, b37, 0x31));
 }
-
-inline void store_element_order(const VF z[4], float* out) {
-  for (int i = 0; i < 2; ++i) {
-    const __m256 half[4] = {z[0].v[i], z[1].v[i], z[2].v[i], z[3].v[i]};
-    store_element_order8(half, out + 32 * i);
-  }
-}
-#undef DPK_LANE_OP
-// Its own function: inlined into the Philox rounds, the two chains' registers spill (1.09x slower).
-#define DPK_BOX_MULLER __attribute__((noinline)) inline
 #else
 constexpr int kBatch = 8;
 
@@ -285,6 +209,8 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
 // 16-byte vectors, the width every SIMD baseline has (SSE2, NEON): wider generic vectors would
 // have their compares and selects split into scalar code.
 constexpr int kParts = 2;  // VF vectors per U32Vec
+// One Box-Muller chain at a time: fmaf is a call here, and live chains would spill around it.
+constexpr int kChains = 1;
 using VF = float __attribute__((vector_size(16)));
 using VUPart = uint32_t __attribute__((vector_size(16)));
 inline VUPart part(const U32Vec& x, int h) {
@@ -315,60 +241,133 @@ inline void store_element_order(const VF z[4], float* out) {
 
 // ---------------------------------------------------------------------------------------------
 // Box-Muller on kBatch lanes: philox.h's log_open01/sincos_2pi on the ISA section's VF (a GCC
-// vector type, or AVX2's F16), with its vsqrt and store_element_order.
+// vector type), with its vsqrt, vfma and store_element_order.
 // ---------------------------------------------------------------------------------------------
 
 constexpr int kVecLanes = kBatch / kParts;  // lanes of one VF
+constexpr int kPairs = 2 * kParts;          // VF-wide word pairs of a run
 static_assert(sizeof(U32Vec) == kParts * sizeof(VF), "one lane per Philox block");
-
-#if !defined(__AVX2__) || defined(__AVX512F__)  // VF is a GCC vector type (AVX2: F16 above)
 using VU = uint32_t __attribute__((vector_size(4 * kVecLanes)));
 using VI = int32_t __attribute__((vector_size(4 * kVecLanes)));
 
+// N registers of V evaluated as one value, operation by operation. The transform's polynomials
+// are chains of dependent multiply-adds; evaluating kChains of a run's kPairs word pairs at once
+// keeps that many chains in flight, where one pair at a time leaves the core waiting on latency
+// (tools/noise_loop.py, one core: AVX2 1.21x faster per normal with 4 chains than with one 16-lane
+// pair of registers at a time, AVX-512 1.09x with 2 than 1; docs/BENCHMARKS.md).
+#define DPK_LANE_OP __attribute__((always_inline)) inline
+#define DPK_LANE_OP_LAMBDA __attribute__((always_inline))
+template <typename V, int N>
+struct Chains {
+  V v[N];
+};
+
+// Chains{op(0), ..., op(N - 1)}.
+template <int N, typename Op, size_t... I>
+DPK_LANE_OP auto each_impl(const Op& op, std::index_sequence<I...>) {
+  return Chains<decltype(op(0)), N>{{op(I)...}};
+}
+template <int N, typename Op>
+DPK_LANE_OP auto each(const Op& op) {
+  return each_impl<N>(op, std::make_index_sequence<N>());
+}
+
+// The operators philox.h's templates use, register by register (a scalar operand applies to all).
+#define DPK_CHAINS_OPERATOR(OP)                                                                  \
+  template <typename V, int N>                                                                   \
+  DPK_LANE_OP auto operator OP(const Chains<V, N>& a, const Chains<V, N>& b) {                   \
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return a.v[i] OP b.v[i]; });                  \
+  }                                                                                              \
+  template <typename V, int N, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  DPK_LANE_OP auto operator OP(const Chains<V, N>& a, S c) {                                     \
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return a.v[i] OP c; });                       \
+  }                                                                                              \
+  template <typename V, int N, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  DPK_LANE_OP auto operator OP(S c, const Chains<V, N>& b) {                                     \
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return c OP b.v[i]; });                       \
+  }
+DPK_CHAINS_OPERATOR(+)
+DPK_CHAINS_OPERATOR(-)
+DPK_CHAINS_OPERATOR(*)
+DPK_CHAINS_OPERATOR(&)
+DPK_CHAINS_OPERATOR(|)
+DPK_CHAINS_OPERATOR(>>)
+DPK_CHAINS_OPERATOR(>)
+DPK_CHAINS_OPERATOR(!=)
+#undef DPK_CHAINS_OPERATOR
+template <typename V, int N>
+DPK_LANE_OP Chains<V, N> operator-(const Chains<V, N>& a) {
+  return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return -a.v[i]; });
+}
+
+// philox.h's ScalarLanes for N registers of VF, so its log_open01/sincos_2pi templates run on them.
+template <int N>
+struct VecLanes {
+  using F = Chains<VF, N>;
+  using I = Chains<VI, N>;
+  static DPK_LANE_OP I bits(const F& x) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_bit_cast(VI, x.v[i]); });
+  }
+  static DPK_LANE_OP F from_bits(const I& x) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_bit_cast(VF, x.v[i]); });
+  }
+  static DPK_LANE_OP I trunc(const F& x) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_convertvector(x.v[i], VI); });
+  }
+  static DPK_LANE_OP F to_float(const I& x) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_convertvector(x.v[i], VF); });
+  }
+  static DPK_LANE_OP F splat(float c) {
+    return each<N>([&](int) DPK_LANE_OP_LAMBDA { return VF{} + c; });
+  }
+  static DPK_LANE_OP F fma(const F& a, const F& b, const F& c) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return vfma(a.v[i], b.v[i], c.v[i]); });
+  }
+  static DPK_LANE_OP F select(const I& mask, const F& a, const F& b) {
+    return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return mask.v[i] ? a.v[i] : b.v[i]; });
+  }
+};
+
 // uniform_open0() of every lane of part h of x. float(w) is rounded once, as the scalar cast: two
 // exact conversions of 16-bit halves and one rounding add (a compiler's unsigned conversion may
-// instead convert as signed and add 2^32, rounding twice: 1 ulp off for some w on SSE2). The
-// product is exact.
+// instead convert as signed and add 2^32, rounding twice: 1 ulp off for some w on SSE2). Both
+// products are exact, so a fused multiply-add, where the target has one, gives the same bits.
 inline VF uniform_lanes(const U32Vec& x, int h) {
   const VU w = __builtin_bit_cast(VU, part(x, h));
-  const VF f = __builtin_convertvector(__builtin_bit_cast(VI, w >> 16), VF) * 65536.0f +
-               __builtin_convertvector(__builtin_bit_cast(VI, w & 0xFFFFu), VF);
-  return f * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
-}
-
-// philox.h's ScalarLanes for the lane vectors, so its log_open01/sincos_2pi templates run on them.
-struct VecLanes {
-  using F = VF;
-  using I = VI;
-  static I bits(F x) { return __builtin_bit_cast(I, x); }
-  static F from_bits(I i) { return __builtin_bit_cast(F, i); }
-  static I trunc(F x) { return __builtin_convertvector(x, I); }
-  static F to_float(I i) { return __builtin_convertvector(i, F); }
-  static F splat(float c) { return F{} + c; }
-  static F fma(F a, F b, F c) { return vfma(a, b, c); }
-  static F select(I mask, F a, F b) { return mask ? a : b; }
-};
+  const VF hi = __builtin_convertvector(__builtin_bit_cast(VI, w >> 16), VF);
+  const VF lo = __builtin_convertvector(__builtin_bit_cast(VI, w & 0xFFFFu), VF);
+#if defined(__FMA__)
+  return vfma(vfma(hi, VF{} + 65536.0f, lo), VF{} + 2.3283064365386963e-10f, VF{} + 1.1641532182693481e-10f);
+#else
+  return (hi * 65536.0f + lo) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
 #endif
+}
 
 // box_muller() of philox.h on the word pairs (0, 1) and (2, 3) of every lane, stored in element
-// order: z[4b + j] = normal j of block b. The parts are independent chains the core overlaps.
-#if !defined(DPK_BOX_MULLER)
-#define DPK_BOX_MULLER inline
-#endif
-DPK_BOX_MULLER void box_muller_lanes(const U32Vec w[4], float* z) {
-  for (int h = 0; h < kParts; ++h) {
-    VF out[4];
-    for (int pair = 0; pair < 2; ++pair) {
-      const VF r = vsqrt(-2.0f * log_open01<VecLanes>(uniform_lanes(w[2 * pair], h)));
-      sincos_2pi<VecLanes>(6.2831853071795865f * uniform_lanes(w[2 * pair + 1], h), out[2 * pair],
-                           out[2 * pair + 1]);
-      out[2 * pair] = r * out[2 * pair];
-      out[2 * pair + 1] = r * out[2 * pair + 1];
+// order: z[4b + j] = normal j of block b. Chain 2h + p is word pair p of part h.
+inline void box_muller_lanes(const U32Vec w[4], float* z) {
+  using L = VecLanes<kChains>;
+  VF out[kPairs][2];  // out[2h + p] = the two normals of word pair p of part h
+  for (int g = 0; g < kPairs; g += kChains) {
+    const auto word = [&](int c, int j)
+                          DPK_LANE_OP_LAMBDA { return uniform_lanes(w[2 * ((g + c) % 2) + j], (g + c) / 2); };
+    const L::F ln = log_open01<L>(each<kChains>([&](int c) DPK_LANE_OP_LAMBDA { return word(c, 0); }));
+    L::F cs, sn;
+    sincos_2pi<L>(6.2831853071795865f * each<kChains>([&](int c) DPK_LANE_OP_LAMBDA { return word(c, 1); }),
+                  cs, sn);
+    for (int c = 0; c < kChains; ++c) {
+      const VF r = vsqrt(-2.0f * ln.v[c]);
+      out[g + c][0] = r * cs.v[c];
+      out[g + c][1] = r * sn.v[c];
     }
-    store_element_order(out, z + 4 * kVecLanes * h);
+  }
+  for (int h = 0; h < kParts; ++h) {
+    const VF zh[4] = {out[2 * h][0], out[2 * h][1], out[2 * h + 1][0], out[2 * h + 1][1]};
+    store_element_order(zh, z + 4 * kVecLanes * h);
   }
 }
-#undef DPK_BOX_MULLER
+#undef DPK_LANE_OP_LAMBDA
+#undef DPK_LANE_OP
 
 constexpr int64_t kRun = 4 * kBatch;  // elements per run
 
