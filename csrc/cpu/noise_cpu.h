@@ -571,31 +571,6 @@ inline void int_to_double(VI4 x, VD4& out) {
 #endif
 }
 
-// z[8b + i] = out[i][b]: a run's float64 normals in element order. On the SIMD paths by 4x4
-// transposes in registers, 8 shuffles per 16 values, where GCC's vectorisation of the scalar loop
-// spends 2.25 per value (ChaCha20 normals 1.02x faster on AVX2, 1.03x on AVX-512 in
-// tools/noise_loop.py; docs/BENCHMARKS.md).
-inline void store_normals64(const double (&out)[8][kBatch], double* z) {
-#if defined(__AVX2__)
-  for (int b = 0; b < kBatch; b += 4) {
-    for (int h = 0; h < 8; h += 4) {
-      const __m256d r0 = _mm256_load_pd(&out[h][b]), r1 = _mm256_load_pd(&out[h + 1][b]);
-      const __m256d r2 = _mm256_load_pd(&out[h + 2][b]), r3 = _mm256_load_pd(&out[h + 3][b]);
-      const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
-      const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
-      _mm256_storeu_pd(z + 8 * b + h, _mm256_permute2f128_pd(t0, t2, 0x20));
-      _mm256_storeu_pd(z + 8 * (b + 1) + h, _mm256_permute2f128_pd(t1, t3, 0x20));
-      _mm256_storeu_pd(z + 8 * (b + 2) + h, _mm256_permute2f128_pd(t0, t2, 0x31));
-      _mm256_storeu_pd(z + 8 * (b + 3) + h, _mm256_permute2f128_pd(t1, t3, 0x31));
-    }
-  }
-#else
-  for (int b = 0; b < kBatch; ++b) {
-    for (int i = 0; i < 8; ++i) z[8 * b + i] = out[i][b];
-  }
-#endif
-}
-
 // float64 standard normals of the kBatch blocks starting at `block`, element order (8 per block): the
 // uniform53()/box_muller64() formulas of chacha20.h, kDoubleLanes blocks at a time.
 inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
@@ -625,7 +600,9 @@ inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
     for (int b = 0; b < kBatch; b += kDoubleLanes)
       box_muller64_lanes(&u[2 * k][b], &u[2 * k + 1][b], &out[2 * k][b], &out[2 * k + 1][b]);
   }
-  store_normals64(out, z);
+  for (int b = 0; b < kBatch; ++b) {
+    for (int i = 0; i < 8; ++i) z[8 * b + i] = out[i][b];
+  }
 }
 
 // out[i] = z(e0 + i) for i < n: float64 ChaCha20 normals of an arbitrary element range.
