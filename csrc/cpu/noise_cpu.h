@@ -29,9 +29,9 @@ namespace cpu {
 //            multiplies' latency (Philox words 1.8x faster than 8 blocks);
 //   portable 8 blocks in plain arrays, 16-byte vectors (the width every SIMD baseline has).
 // Philox's Box-Muller is written once below on GCC vector types, kChains VF registers at a time
-// (Chains). All three give the same words and
-// the same Philox normals, bit for bit (every fused multiply-add stays fused); the normals agree
-// with the reference to a few ulps (tests). ChaCha20's float64 normals: see box_muller64_lanes.
+// (Chains). All three give the same words and the same Philox normals, bit for bit (every fused
+// multiply-add stays fused); the normals agree with the reference to a few ulps (tests).
+// ChaCha20's float64 normals: see box_muller64_lanes.
 #if defined(__AVX512F__)
 constexpr int kBatch = 16;
 
@@ -149,8 +149,8 @@ inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
 
 // The Box-Muller runs on the native 8-lane vectors, one per half of a word (kParts = 2).
 using VF = float __attribute__((vector_size(32)));  // __m256 without may_alias
-constexpr int kParts = 2;
-constexpr int kChains = 4;  // Box-Muller chains in flight: all four word pairs of a run
+constexpr int kParts = 2;                           // VF vectors per U32Vec
+constexpr int kChains = 4;                          // Box-Muller chains in flight: all four word pairs
 inline __m256i part(const U32Vec& x, int h) { return x.h[h].v; }
 
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
