@@ -100,12 +100,13 @@ struct ScalarLanes {
 // SIMD equivalent.
 template <typename Lanes, typename F = typename Lanes::F>
 DPK_HOST_DEVICE inline F log_open01(F u) {
-  const typename Lanes::I bits = Lanes::bits(u);
-  F m = Lanes::from_bits((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
-  F k = Lanes::to_float((bits >> 23) - 127);
-  const auto big = m > 1.41421356f;
-  m = Lanes::select(big, m * 0.5f, m);
-  k = Lanes::select(big, k + 1.0f, k);
+  using I = typename Lanes::I;
+  const I bits = Lanes::bits(u), mant = bits & 0x007FFFFF;
+  // big = 1 where 1.mant > 1.41421356f (0x3FB504F3), i.e. mant >= 0x3504F4, else 0: then m / 2
+  // (the exponent lowered, exact) and k + 1. Integer adds and shifts, no compare and select.
+  const I big = (mant + (0x00800000 - 0x003504F4)) >> 23;
+  const F m = Lanes::from_bits((mant | 0x3F800000) - (big << 23));  // [sqrt(1/2), sqrt(2))
+  const F k = Lanes::to_float((bits >> 23) - 127 + big);
   const F f = m - 1.0f, f2 = f * f;
   F p = Lanes::splat(7.0376836292e-2f);
   for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
@@ -139,12 +140,12 @@ DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
       Lanes::fma(Lanes::fma(Lanes::splat(2.443315711809948e-5f), x2, Lanes::splat(-1.388731625493765e-3f)),
                  x2, Lanes::splat(4.166664568298827e-2f));
   const F cs = Lanes::fma(pc * x2, x2, Lanes::fma(Lanes::splat(-0.5f), x2, Lanes::splat(1.0f)));
-  // Quadrant q = j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c).
-  const I q = j & 3;
-  const auto swap = (q & 1) != 0;
+  // Quadrant j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c); the negations as sign-bit
+  // flips ((j + 1) & 2 and j & 2, moved to bit 31), the same bits as -x without a select.
+  const auto swap = (j & 1) != 0;
   const F c = Lanes::select(swap, sn, cs), s = Lanes::select(swap, cs, sn);
-  cos_out = Lanes::select(((q + 1) & 2) != 0, -c, c);
-  sin_out = Lanes::select((q & 2) != 0, -s, s);
+  cos_out = Lanes::from_bits(Lanes::bits(c) ^ (((j + 1) & 2) << 30));
+  sin_out = Lanes::from_bits(Lanes::bits(s) ^ ((j & 2) << 30));
 }
 
 // Box-Muller on one word pair: z_first = r cos(2 pi u_b), z_second = r sin(2 pi u_b),
