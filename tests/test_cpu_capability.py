@@ -6,6 +6,8 @@ CPU runs, or a lower one that ``DPKERNELS_CPU_CAPABILITY`` forces.
 - a bad or too-high ``DPKERNELS_CPU_CAPABILITY`` fails with a message naming the problem;
 - every path this CPU runs gives bit-identical noise (Philox and ChaCha20 words, normals, noise
   added in place, the fused optimizer step's in-pass noise), checked in one subprocess per path;
+- the CPU kernels widen fp16 and bf16 to fp32 exactly, for every bit pattern (F16C through ATen
+  on AVX2/AVX-512, integer operations on the portable path: ``csrc/cpu/vec_cpu.h``);
 - no AVX-512 instruction outside ``_cpu_avx512`` and no AVX instruction outside ``_cpu_avx2`` and
   ``_cpu_avx512`` (objdump of the built modules).
 
@@ -96,6 +98,20 @@ def test_noise_bits_identical_on_every_path():
     for cap in others:
         assert runs[cap] == runs[best], f"{cap} differs from {best}"
     assert len(runs) >= 2 or _backend.runnable_cpu_capabilities() == ["default"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_values_widen_exactly(dtype):
+    """One sample of weight 1: the sum pass's fp32 result is 0 + 1 * widen(g), so it is the widened
+    value itself, for all 65,536 patterns (subnormals, ±Inf, NaN; -0 comes out as +0)."""
+    g = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(1, -1)
+    want = g[0].float()
+    (out,) = torch.ops.dpkernels_C.weighted_sum([g], [1.0], torch.ones(1, 1))
+    assert out.shape == want.shape and out.dtype == torch.float32
+    nan = want.isnan()
+    assert int(nan.sum()) > 0 and torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], want[~nan])
+    assert (want[~nan].abs() < 2.0**-14).sum() > 1000  # the subnormals (fp16) and tiny values are in
 
 
 def _objdump(path: Path) -> str:

@@ -6,8 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,28 +19,18 @@
 #include "dpkernels/dispatch.h"
 #include "noise_cpu.h"
 #include "stream_cpu.h"
+#include "vec_cpu.h"
 
 namespace dpkernels {
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-using dVec = at::vec::Vectorized<double>;
+using cpu::Vec;
 // Elements per SIMD step: one vector of a 16-bit type, i.e. two fp32 vectors.
-constexpr int64_t kStep = 2 * fVec::size();
+constexpr int64_t kStep = 2 * Vec::size();
 // Elements per norm task: large enough to amortise the task, small enough to balance threads.
 constexpr int64_t kSumsqChunk = 1 << 15;
 // Columns per weighted-sum task: the fp32 accumulator (16 KiB) stays in L1 while B rows stream.
 constexpr int64_t kSumChunk = 1 << 12;
-
-template <typename scalar_t>
-inline std::pair<fVec, fVec> load_step(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return {fVec::loadu(p), fVec::loadu(p + fVec::size())};
-  } else {
-    auto [a, b] = cpu::to_float(at::vec::Vectorized<scalar_t>::loadu(p));
-    return {a, b};
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // per_sample_sumsq: s[i, l] = Σ_e shift_scale(Σ_j α_j g_j[i, e])², squares accumulated in fp64.
@@ -54,39 +42,39 @@ struct SumsqTask {
 
 // Loads kStep elements of Σ_j α_j g_j at offset e and applies shift/scale, as two fp32 vectors.
 template <typename scalar_t, bool kPlain, bool kShift, bool kScale>
-inline std::pair<fVec, fVec> combined_step(const scalar_t* const* rows, const double* alpha, int64_t k,
-                                           const float* shift, const float* scale, int64_t e) {
-  auto [v0, v1] = load_step(rows[0] + e);
+inline std::pair<Vec, Vec> combined_step(const scalar_t* const* rows, const double* alpha, int64_t k,
+                                         const float* shift, const float* scale, int64_t e) {
+  auto [v0, v1] = cpu::load_widened(rows[0] + e);
   if constexpr (!kPlain) {
-    const fVec a0(static_cast<float>(alpha[0]));
+    const Vec a0(static_cast<float>(alpha[0]));
     v0 = v0 * a0;
     v1 = v1 * a0;
     for (int64_t j = 1; j < k; ++j) {
-      const auto [a, b] = load_step(rows[j] + e);
-      const fVec aj(static_cast<float>(alpha[j]));
-      v0 = at::vec::fmadd(aj, a, v0);
-      v1 = at::vec::fmadd(aj, b, v1);
+      const auto [a, b] = cpu::load_widened(rows[j] + e);
+      const Vec aj(static_cast<float>(alpha[j]));
+      v0 = cpu::fmadd(aj, a, v0);
+      v1 = cpu::fmadd(aj, b, v1);
     }
   }
   if constexpr (kShift || kScale) {
-    const fVec s0 = kShift ? fVec::loadu(shift + e) : fVec(0.f);
-    const fVec s1 = kShift ? fVec::loadu(shift + e + fVec::size()) : fVec(0.f);
-    const fVec c0 = kScale ? fVec::loadu(scale + e) : fVec(1.f);
-    const fVec c1 = kScale ? fVec::loadu(scale + e + fVec::size()) : fVec(1.f);
+    const Vec s0 = kShift ? Vec::loadu(shift + e) : Vec(0.f);
+    const Vec s1 = kShift ? Vec::loadu(shift + e + Vec::size()) : Vec(0.f);
+    const Vec c0 = kScale ? Vec::loadu(scale + e) : Vec(1.f);
+    const Vec c1 = kScale ? Vec::loadu(scale + e + Vec::size()) : Vec(1.f);
     v0 = shift_scale<kShift, kScale>(v0, s0, c0);
     v1 = shift_scale<kShift, kScale>(v1, s1, c1);
   }
   return {v0, v1};
 }
 
-// One element of Σ_j α_j g_j with the vector path's roundings: α_0·g_0, then one fused
-// multiply-add per further set. The sum pass combines with the same function (and combined_step),
+// One element of Σ_j α_j g_j with the vector path's roundings: α_0·g_0, then one cpu::fmadd per
+// further set. The sum pass combines with the same function (and combined_step),
 // so the vector whose norm bounds a sample is exactly the vector that is added.
 template <typename scalar_t>
 inline float combined_elem(const scalar_t* const* rows, const double* alpha, int64_t k, int64_t e) {
   float v = static_cast<float>(alpha[0]) * static_cast<float>(rows[0][e]);
   for (int64_t j = 1; j < k; ++j)
-    v = std::fma(static_cast<float>(alpha[j]), static_cast<float>(rows[j][e]), v);
+    v = cpu::fmadd(static_cast<float>(alpha[j]), static_cast<float>(rows[j][e]), v);
   return v;
 }
 
@@ -113,29 +101,24 @@ template <typename scalar_t, bool kPlain, bool kShift, bool kScale>
 double sumsq_range(const scalar_t* const* rows, const double* alpha, int64_t k, const float* shift,
                    const float* scale, int64_t begin, int64_t end) {
   constexpr int kFlush = 16;
-  constexpr int kDLanes = fVec::size() / dVec::size();
-  dVec dacc[kDLanes];
-  for (auto& d : dacc) d = dVec(0.0);
+  cpu::WideSum wide;
   int64_t e = begin;
   while (e + 2 * kStep <= end) {
     // Four independent chains hide the FMA latency.
-    fVec acc[4] = {fVec(0.f), fVec(0.f), fVec(0.f), fVec(0.f)};
+    Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
     for (int it = 0; it < kFlush && e + 2 * kStep <= end; it += 2, e += 2 * kStep) {
       const auto [v0, v1] = combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e);
       const auto [v2, v3] =
           combined_step<scalar_t, kPlain, kShift, kScale>(rows, alpha, k, shift, scale, e + kStep);
-      acc[0] = at::vec::fmadd(v0, v0, acc[0]);
-      acc[1] = at::vec::fmadd(v1, v1, acc[1]);
-      acc[2] = at::vec::fmadd(v2, v2, acc[2]);
-      acc[3] = at::vec::fmadd(v3, v3, acc[3]);
+      acc[0] = cpu::fmadd(v0, v0, acc[0]);
+      acc[1] = cpu::fmadd(v1, v1, acc[1]);
+      acc[2] = cpu::fmadd(v2, v2, acc[2]);
+      acc[3] = cpu::fmadd(v3, v3, acc[3]);
     }
-    for (const auto& a : acc) cpu::widen_add(a, dacc);
+    for (const auto& a : acc) wide.add(a);
   }
-  alignas(64) double f64[fVec::size()];
-  double total = 0.0;
-  for (int q = 0; q < kDLanes; ++q) dacc[q].store(f64 + q * dVec::size());
-  for (int q = 0; q < fVec::size(); ++q) total += f64[q];
-  total += sumsq_exact<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, e, end);
+  const double total =
+      wide.total() + sumsq_exact<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, e, end);
   const bool trusted = std::isfinite(total) && total >= 1e-30 * static_cast<double>(end - begin);
   return trusted ? total : sumsq_exact<scalar_t, kShift, kScale>(rows, alpha, k, shift, scale, begin, end);
 }
@@ -271,14 +254,14 @@ template <int M, typename scalar_t>
 void axpy_rows(float* acc, const scalar_t* const* rows, const float* c, int64_t n) {
   int64_t e = 0;
   for (; e + kStep <= n; e += kStep) {
-    fVec a0 = fVec::loadu(acc + e), a1 = fVec::loadu(acc + e + fVec::size());
+    Vec a0 = Vec::loadu(acc + e), a1 = Vec::loadu(acc + e + Vec::size());
     for (int m = 0; m < M; ++m) {
-      const auto [x, y] = load_step(rows[m] + e);
-      a0 = at::vec::fmadd(fVec(c[m]), x, a0);
-      a1 = at::vec::fmadd(fVec(c[m]), y, a1);
+      const auto [x, y] = cpu::load_widened(rows[m] + e);
+      a0 = cpu::fmadd(Vec(c[m]), x, a0);
+      a1 = cpu::fmadd(Vec(c[m]), y, a1);
     }
     a0.store(acc + e);
-    a1.store(acc + e + fVec::size());
+    a1.store(acc + e + Vec::size());
   }
   for (; e < n; ++e) {
     float a = acc[e];
@@ -307,7 +290,7 @@ void weighted_sum_combined(float* acc, const scalar_t* const* bases, int64_t num
       const auto [v0, v1] =
           combined_step<scalar_t, false, false, false>(rows.data(), alpha, k, nullptr, nullptr, e);
       v0.store(v + e);
-      v1.store(v + e + fVec::size());
+      v1.store(v + e + Vec::size());
     }
     for (; e < n; ++e) v[e] = combined_elem(rows.data(), alpha, k, e);
     axpy_rows<1>(acc, vrow, &wi, n);

@@ -2,7 +2,7 @@
 //
 // One pass over the whole tensor list with the streaming skeleton of stream_cpu.h: a chunk forms
 // its inputs x in a small fp32 array (input + std * z, z from cpu::normals of whole Philox runs),
-// then runs filter_step() on at::vec::Vectorized<float> lanes (cpu::filter_chunk), the state
+// then runs filter_step() on SIMD lanes (cpu::filter_chunk), the state
 // buffers being read and written in place; the chunk stays in L1 across the K buffers.
 //
 // Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /

@@ -31,7 +31,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -47,18 +46,18 @@
 #include "dpkernels/dispatch.h"
 #include "dpkernels/macros.h"
 #include "stream_cpu.h"
+#include "vec_cpu.h"
 
 namespace dpkernels {
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-using dVec = at::vec::Vectorized<double>;
+using cpu::Vec;
 
 // Micro-tile: kMR rows (o, broadcast from g) × kNR columns (k, kNV vectors of a). 6 × 16 on AVX2:
 // 12 accumulators, two loads of a and one broadcast live, 15 of the 16 vector registers.
 constexpr int kMR = 6;
 constexpr int kNV = 2;
-constexpr int kNR = kNV * fVec::size();
+constexpr int kNR = kNV * Vec::size();
 // Block: kPanelsO × kPanelsK micro-tiles. One packed micro-panel of a ([kChunkT][kNR] fp32, 16 KiB
 // on AVX2) stays in L1 while the block's kPanelsO panels of g stream from L2.
 constexpr int64_t kPanelsO = 16;
@@ -67,8 +66,6 @@ constexpr int64_t kBlockO = kPanelsO * kMR;
 constexpr int64_t kBlockK = kPanelsK * kNR;
 // Positions per packed chunk.
 constexpr int64_t kChunkT = 256;
-// Fp64 lanes that one fp32 vector widens into.
-constexpr int kDLanes = fVec::size() / dVec::size();
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -79,13 +76,11 @@ inline void row_to_float(const scalar_t* src, int64_t n, float* dst) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    using sVec = at::vec::Vectorized<scalar_t>;
-    static_assert(sVec::size() == 2 * fVec::size());
     int64_t e = 0;
-    for (; e + sVec::size() <= n; e += sVec::size()) {
-      const auto [x, y] = cpu::to_float(sVec::loadu(src + e));
+    for (; e + 2 * Vec::size() <= n; e += 2 * Vec::size()) {
+      const auto [x, y] = cpu::load_widened(src + e);
       x.store(dst + e);
-      y.store(dst + e + fVec::size());
+      y.store(dst + e + Vec::size());
     }
     for (; e < n; ++e) dst[e] = bk_to_float(src[e]);
   }
@@ -112,7 +107,7 @@ void zero_panel_tail(float* dst, int64_t tc, int64_t n) {
   for (int64_t t = 0; t < tc; ++t) std::fill(last + t * W + n % W, last + (t + 1) * W, 0.f);
 }
 
-using Tile = fVec[kMR][kNV];
+using Tile = Vec[kMR][kNV];
 
 // acc[r][v] += Σ over nr rows of len steps of b[r] · y[v-th vector]: b (the broadcast operand)
 // advances b_step floats per step and starts each row row_step floats after the last; y (packed,
@@ -120,18 +115,18 @@ using Tile = fVec[kMR][kNV];
 // conv kernel's rows are the output rows of a chunk.
 template <int MR>
 inline void fma_tile(const float* __restrict__ b, const float* __restrict__ y, int64_t nr, int64_t len,
-                     int64_t row_step, int64_t b_step, fVec (&acc)[MR][kNV]) {
+                     int64_t row_step, int64_t b_step, Vec (&acc)[MR][kNV]) {
   for (int64_t row = 0; row < nr; ++row) {
     const float* bp = b + row * row_step;
     for (int64_t t = 0; t < len; ++t, bp += b_step, y += kNR) {
-      fVec x[kNV];
+      Vec x[kNV];
 #pragma GCC unroll 4
-      for (int v = 0; v < kNV; ++v) x[v] = fVec::loadu(y + v * fVec::size());
+      for (int v = 0; v < kNV; ++v) x[v] = Vec::loadu(y + v * Vec::size());
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        const fVec bc(bp[r]);
+        const Vec bc(bp[r]);
 #pragma GCC unroll 4
-        for (int v = 0; v < kNV; ++v) acc[r][v] = at::vec::fmadd(bc, x[v], acc[r][v]);
+        for (int v = 0; v < kNV; ++v) acc[r][v] = cpu::fmadd(bc, x[v], acc[r][v]);
       }
     }
   }
@@ -140,17 +135,17 @@ inline void fma_tile(const float* __restrict__ b, const float* __restrict__ y, i
 // A tile's accumulators across chunks of positions: zero before the first chunk, else parked in
 // memory (MR rows of kNR floats) between chunks.
 template <int MR>
-inline void unpark(fVec (&acc)[MR][kNV], const float* parked, bool first) {
+inline void unpark(Vec (&acc)[MR][kNV], const float* parked, bool first) {
   for (int r = 0; r < MR; ++r) {
     for (int v = 0; v < kNV; ++v)
-      acc[r][v] = first ? fVec(0.f) : fVec::loadu(parked + r * kNR + v * fVec::size());
+      acc[r][v] = first ? Vec(0.f) : Vec::loadu(parked + r * kNR + v * Vec::size());
   }
 }
 
 template <int MR>
-inline void park(const fVec (&acc)[MR][kNV], float* parked) {
+inline void park(const Vec (&acc)[MR][kNV], float* parked) {
   for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kNV; ++v) acc[r][v].store(parked + r * kNR + v * fVec::size());
+    for (int v = 0; v < kNV; ++v) acc[r][v].store(parked + r * kNR + v * Vec::size());
   }
 }
 
@@ -158,21 +153,21 @@ inline void park(const fVec (&acc)[MR][kNV], float* parked) {
 // point at the tile's first element of a shift/scale laid out like the tile (row stride ld): the
 // linear kernel's [d_out, d_in], the direct conv kernel's permuted [column][O_p].
 template <bool kShift, bool kScale, int MR>
-inline fVec tile_sumsq(const fVec (&acc)[MR][kNV], const float* sh, const float* sc, int64_t ld,
-                       int64_t rows = MR) {
-  fVec s[kNV];
-  for (auto& x : s) x = fVec(0.f);
+inline Vec tile_sumsq(const Vec (&acc)[MR][kNV], const float* sh, const float* sc, int64_t ld,
+                      int64_t rows = MR) {
+  Vec s[kNV];
+  for (auto& x : s) x = Vec(0.f);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     if (r >= rows) break;
 #pragma GCC unroll 4
     for (int v = 0; v < kNV; ++v) {
-      const int64_t off = r * ld + v * fVec::size();
-      fVec shift(0.f), scale(1.f);
-      if constexpr (kShift) shift = fVec::loadu(sh + off);
-      if constexpr (kScale) scale = fVec::loadu(sc + off);
-      const fVec y = bk_shift_scale<kShift, kScale>(acc[r][v], shift, scale);
-      s[v] = at::vec::fmadd(y, y, s[v]);
+      const int64_t off = r * ld + v * Vec::size();
+      Vec shift(0.f), scale(1.f);
+      if constexpr (kShift) shift = Vec::loadu(sh + off);
+      if constexpr (kScale) scale = Vec::loadu(sc + off);
+      const Vec y = bk_shift_scale<kShift, kScale>(acc[r][v], shift, scale);
+      s[v] = cpu::fmadd(y, y, s[v]);
     }
   }
   for (int v = 1; v < kNV; ++v) s[0] = s[0] + s[v];
@@ -185,7 +180,7 @@ template <bool kShift, bool kScale>
 double edge_sumsq(const Tile& acc, const float* sh, const float* sc, int64_t ld, int64_t rows, int64_t cols) {
   alignas(64) float p[kMR][kNR];
   for (int r = 0; r < kMR; ++r) {
-    for (int v = 0; v < kNV; ++v) acc[r][v].store(&p[r][v * fVec::size()]);
+    for (int v = 0; v < kNV; ++v) acc[r][v].store(&p[r][v * Vec::size()]);
   }
   float s = 0.f;
   for (int64_t r = 0; r < rows; ++r) {
@@ -246,15 +241,6 @@ void sum_blocks(const Kernel& kernel, int64_t B, int64_t blocks, bool block_majo
   }
 }
 
-// The fp64 total of the lanes of the fp32 tile sums widened into dacc.
-inline double lanes_total(const dVec* dacc) {
-  alignas(64) double lanes[fVec::size()];
-  for (int q = 0; q < kDLanes; ++q) dacc[q].store(lanes + q * dVec::size());
-  double total = 0.0;
-  for (int q = 0; q < fVec::size(); ++q) total += lanes[q];
-  return total;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Linear: packed micro-panels.
 // ---------------------------------------------------------------------------------------------
@@ -266,7 +252,10 @@ struct PanelScratch {
   // along d_in share them (sample-major tasks run them in a row).
   std::array<int64_t, 3> g_key{-1, -1, -1};
   explicit PanelScratch(int64_t tc)
-      : a(kPanelsK * kNR * tc), g(kPanelsO * kMR * tc), tile(kPanelsO * kPanelsK * kMR * kNR), tmp(kBlockK) {}
+      : a(kPanelsK * kNR * tc),
+        g(kPanelsO * kMR * tc),
+        tile(kPanelsO * kPanelsK * kMR * kNR),
+        tmp(std::max(kBlockK, kBlockO)) {}
 };
 
 // a_i [T, d_in] and g_i [T, d_out], contiguous; blocks of kBlockO rows × kBlockK columns of the
@@ -312,8 +301,7 @@ struct LinearKernel {
     block(blk, o0, bo, k0, bk);
     const int64_t np = ceil_div(bo, kMR), nq = ceil_div(bk, kNR);
     const int64_t chunks = std::max<int64_t>(1, ceil_div(s.T, kChunkT));
-    dVec dacc[kDLanes];
-    for (auto& d : dacc) d = dVec(0.0);
+    cpu::WideSum wide;
     double edge = 0.0;
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t t0 = c * kChunkT, tc = std::min(kChunkT, s.T - t0);
@@ -348,14 +336,14 @@ struct LinearKernel {
             continue;
           }
           if (rows == kMR && cols == kNR) {
-            cpu::widen_add(tile_sumsq<kShift, kScale>(acc, sh, sc, s.d_in), dacc);
+            wide.add(tile_sumsq<kShift, kScale>(acc, sh, sc, s.d_in));
           } else {
             edge += edge_sumsq<kShift, kScale>(acc, sh, sc, s.d_in, rows, cols);
           }
         }
       }
     }
-    return lanes_total(dacc) + edge;
+    return wide.total() + edge;
   }
 };
 
@@ -366,8 +354,8 @@ struct LinearKernel {
 // Micro-tile: kConvMR weight columns (broadcast from the input) × kNR output channels (kNV vectors
 // of g). 14 × 32 with AVX-512's 32 registers: 28 accumulators, two loads of g and a broadcast; 6 ×
 // 16 with 16 registers (15 of them).
-constexpr int kConvMR = fVec::size() >= 16 ? 14 : 6;
-using ConvTile = fVec[kConvMR][kNV];
+constexpr int kConvMR = Vec::size() >= 16 ? 14 : 6;
+using ConvTile = Vec[kConvMR][kNV];
 // Block: kConvPanelsO o-panels × kConvPanelsK column tiles.
 constexpr int64_t kConvPanelsO = 4;
 constexpr int64_t kConvPanelsK = 16;
@@ -462,8 +450,7 @@ struct DirectConvKernel {
     const int64_t u0 = (blk % nbk) * kConvPanelsK, nub = std::min(kConvPanelsK, tiles - u0);
     const int64_t chunks = ceil_div(c.H_out, rows_per_chunk);
     const int64_t row_step = c.stride_h * Wp * c.C, col_step = c.stride_w * c.C;
-    dVec dacc[kDLanes];
-    for (auto& d : dacc) d = dVec(0.0);
+    cpu::WideSum wide;
     for (int64_t ch = 0; ch < chunks; ++ch) {
       const int64_t oh0 = ch * rows_per_chunk, nr = std::min(rows_per_chunk, c.H_out - oh0);
       const int64_t t0 = oh0 * c.W_out, tc = nr * c.W_out;
@@ -495,13 +482,12 @@ struct DirectConvKernel {
           // (o >= O) hold g = 0 and shift = scale = 0: their y is 0.
           const int64_t off = (seg * seg_len + col0) * O_p + (p0 + p) * kNR;
           const int64_t rows = std::min<int64_t>(kConvMR, seg_len - col0);
-          cpu::widen_add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
-                                                    kScale ? ep.scale + off : nullptr, O_p, rows),
-                         dacc);
+          wide.add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
+                                              kScale ? ep.scale + off : nullptr, O_p, rows));
         }
       }
     }
-    return lanes_total(dacc);
+    return wide.total();
   }
 };
 

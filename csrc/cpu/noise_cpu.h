@@ -255,7 +255,6 @@ using VI = int32_t __attribute__((vector_size(4 * kVecLanes)));
 // keeps that many chains in flight, where one pair at a time leaves the core waiting on latency
 // (tools/noise_loop.py, one core: AVX2 1.21x faster per normal with 4 chains than with one 16-lane
 // pair of registers at a time, AVX-512 1.09x with 2 than 1; docs/BENCHMARKS.md).
-#define DPK_LANE_OP __attribute__((always_inline)) inline
 #define DPK_LANE_OP_LAMBDA __attribute__((always_inline))
 template <typename V, int N>
 struct Chains {
@@ -264,26 +263,26 @@ struct Chains {
 
 // Chains{op(0), ..., op(N - 1)}.
 template <int N, typename Op, size_t... I>
-DPK_LANE_OP auto each_impl(const Op& op, std::index_sequence<I...>) {
+DPK_ALWAYS_INLINE auto each_impl(const Op& op, std::index_sequence<I...>) {
   return Chains<decltype(op(0)), N>{{op(I)...}};
 }
 template <int N, typename Op>
-DPK_LANE_OP auto each(const Op& op) {
+DPK_ALWAYS_INLINE auto each(const Op& op) {
   return each_impl<N>(op, std::make_index_sequence<N>());
 }
 
 // The operators philox.h's templates use, register by register (a scalar operand applies to all).
 #define DPK_CHAINS_OPERATOR(OP)                                                                  \
   template <typename V, int N>                                                                   \
-  DPK_LANE_OP auto operator OP(const Chains<V, N>& a, const Chains<V, N>& b) {                   \
+  DPK_ALWAYS_INLINE auto operator OP(const Chains<V, N>& a, const Chains<V, N>& b) {             \
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return a.v[i] OP b.v[i]; });                  \
   }                                                                                              \
   template <typename V, int N, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
-  DPK_LANE_OP auto operator OP(const Chains<V, N>& a, S c) {                                     \
+  DPK_ALWAYS_INLINE auto operator OP(const Chains<V, N>& a, S c) {                               \
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return a.v[i] OP c; });                       \
   }                                                                                              \
   template <typename V, int N, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
-  DPK_LANE_OP auto operator OP(S c, const Chains<V, N>& b) {                                     \
+  DPK_ALWAYS_INLINE auto operator OP(S c, const Chains<V, N>& b) {                               \
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return c OP b.v[i]; });                       \
   }
 DPK_CHAINS_OPERATOR(+)
@@ -297,7 +296,7 @@ DPK_CHAINS_OPERATOR(^)
 DPK_CHAINS_OPERATOR(!=)
 #undef DPK_CHAINS_OPERATOR
 template <typename V, int N>
-DPK_LANE_OP Chains<V, N> operator-(const Chains<V, N>& a) {
+DPK_ALWAYS_INLINE Chains<V, N> operator-(const Chains<V, N>& a) {
   return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return -a.v[i]; });
 }
 
@@ -306,25 +305,25 @@ template <int N>
 struct VecLanes {
   using F = Chains<VF, N>;
   using I = Chains<VI, N>;
-  static DPK_LANE_OP I bits(const F& x) {
+  static DPK_ALWAYS_INLINE I bits(const F& x) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_bit_cast(VI, x.v[i]); });
   }
-  static DPK_LANE_OP F from_bits(const I& x) {
+  static DPK_ALWAYS_INLINE F from_bits(const I& x) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_bit_cast(VF, x.v[i]); });
   }
-  static DPK_LANE_OP I trunc(const F& x) {
+  static DPK_ALWAYS_INLINE I trunc(const F& x) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_convertvector(x.v[i], VI); });
   }
-  static DPK_LANE_OP F to_float(const I& x) {
+  static DPK_ALWAYS_INLINE F to_float(const I& x) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return __builtin_convertvector(x.v[i], VF); });
   }
-  static DPK_LANE_OP F splat(float c) {
+  static DPK_ALWAYS_INLINE F splat(float c) {
     return each<N>([&](int) DPK_LANE_OP_LAMBDA { return VF{} + c; });
   }
-  static DPK_LANE_OP F fma(const F& a, const F& b, const F& c) {
+  static DPK_ALWAYS_INLINE F fma(const F& a, const F& b, const F& c) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return vfma(a.v[i], b.v[i], c.v[i]); });
   }
-  static DPK_LANE_OP F select(const I& mask, const F& a, const F& b) {
+  static DPK_ALWAYS_INLINE F select(const I& mask, const F& a, const F& b) {
     return each<N>([&](int i) DPK_LANE_OP_LAMBDA { return mask.v[i] ? a.v[i] : b.v[i]; });
   }
 };
@@ -368,7 +367,6 @@ inline void box_muller_lanes(const U32Vec w[4], float* z) {
   }
 }
 #undef DPK_LANE_OP_LAMBDA
-#undef DPK_LANE_OP
 
 constexpr int64_t kRun = 4 * kBatch;  // elements per run
 

@@ -8,7 +8,7 @@
 // widened into an fp32 buffer, and the family's functor runs its element math from
 // optim_math.h over plain fp32 arrays, which GCC vectorises. The family's variant (Adam variant,
 // MacAdam bias correction, DP² phase) is a template parameter, so the hot loop holds no
-// per-element dispatch; the sgd family's direction filter runs on at::vec lanes
+// per-element dispatch; the sgd family's direction filter runs on SIMD lanes
 // (cpu::filter_chunk), in place in the chunk's buffer.
 //
 // Products and sums are rounded separately, as in the reference (the build's -ffp-contract=off).
@@ -16,6 +16,7 @@
 // sqrt and the selects of optim_math.h vectorise; neither changes a result.
 #pragma GCC optimize("no-trapping-math")
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -30,11 +31,11 @@
 #include "dpkernels/optim_math.h"
 #include "noise_cpu.h"
 #include "stream_cpu.h"
+#include "vec_cpu.h"
 
 namespace dpkernels {
 namespace {
 
-using cpu::DVec;
 using cpu::kChunk;
 using cpu::Vec;
 
@@ -67,38 +68,15 @@ class StepNoise {
   float std_;
 };
 
-// A task's fp64 partial sum in fixed SIMD lanes: the same additions in the same order whatever the
-// thread count.
-struct SumLanes {
-  DVec d[Vec::size() / DVec::size()];
-
-  SumLanes() {
-    for (auto& v : d) v = DVec(0.0);
-  }
-  void add(const float* x, int64_t m) {
-    for (int64_t i = 0; i < m; i += Vec::size()) {
-      cpu::widen_add(Vec::loadu(x + i, static_cast<int>(std::min<int64_t>(Vec::size(), m - i))), d);
-    }
-  }
-  double sum() const {
-    alignas(64) double lanes[Vec::size()];
-    for (int q = 0; q < Vec::size() / DVec::size(); ++q) d[q].store(lanes + q * DVec::size());
-    double s = 0.0;
-    for (double x : lanes) s += x;
-    return s;
-  }
-};
-
 // θ of a chunk as fp32: the parameter itself when it is fp32, else widened into `buf`.
 template <typename scalar_t>
 float* load_theta(scalar_t* p, int64_t m, float* buf) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return p;
   } else {
-    using V = at::vec::Vectorized<scalar_t>;
     int64_t i = 0;
-    for (; i + V::size() <= m; i += V::size()) {
-      const auto [a, b] = cpu::to_float(V::loadu(p + i));
+    for (; i + 2 * Vec::size() <= m; i += 2 * Vec::size()) {
+      const auto [a, b] = cpu::load_widened(p + i);
       a.store(buf + i);
       b.store(buf + i + Vec::size());
     }
@@ -131,7 +109,7 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       const float* S = sums[l].const_data_ptr<float>();
       alignas(64) float nu_buf[kChunk];
       alignas(64) float th_buf[kChunk];
-      SumLanes acc;
+      cpu::WideSum acc;
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         if constexpr (Family::kPrefetch) {
           cpu::prefetch(p + i0, m);
@@ -144,7 +122,7 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
         family(l, i0, m, th, S + i0, nu, acc);
         store_theta(th, p + i0, m);
       });
-      partial[t] = acc.sum();
+      partial[t] = acc.total();
     });
   });
   double total = 0.0;
@@ -188,7 +166,7 @@ struct SgdChunk {
   const cpu::BufferTable& state;
 
   void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
-                  SumLanes&) const {
+                  cpu::WideSum&) const {
     const SgdHyper h = hyper;
     alignas(64) float d[kChunk];
     sgd_input_loop(h, m, th, S, nu, d);
@@ -216,7 +194,7 @@ struct Dp2Chunk {
   const cpu::BufferTable& state;
 
   void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
-                  SumLanes&) const {
+                  cpu::WideSum&) const {
     dp2_loop<kPhase>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0);
   }
 };
@@ -243,7 +221,7 @@ struct AdamChunk {
   const cpu::BufferTable& state;
 
   void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
-                  SumLanes&) const {
+                  cpu::WideSum&) const {
     float* so = kVariant == AdamVariant::kSTP ? state.at(2, l) + i0 : nullptr;
     adam_loop<kVariant>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0, so);
   }
@@ -277,7 +255,7 @@ struct MacAdamChunk {
   const cpu::BufferTable& state;
 
   void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
-                  SumLanes& acc) const {
+                  cpu::WideSum& acc) const {
     alignas(64) float root[kChunk];
     const auto buf = [&](int k) { return state.at(k, l) + i0; };
     macadam_loop<kBC>(hyper, m, th, S, nu, buf(0), buf(1), buf(2), buf(3), buf(4), buf(5), root);

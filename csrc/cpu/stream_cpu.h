@@ -10,14 +10,12 @@
 // global index, so a chunk's noise is whole Philox runs (cpu::normals wastes nothing) and its
 // fp32 temporaries (noise, filter input and output) live in small stack buffers that stay in L1.
 //
-// filter_chunk() runs filter.h's step on at::vec lanes; its callers compile it without FMA
+// filter_chunk() runs filter.h's step on Vec lanes (vec_cpu.h); its callers compile it without FMA
 // contraction (see filter.cpp) so that products and sums round as in the reference.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/cpu/vec/vec_convert.h>
 #include <unistd.h>
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -26,17 +24,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <tuple>
 #include <vector>
 
 #include "dpkernels/filter.h"
 #include "noise_cpu.h"
+#include "vec_cpu.h"
 
 namespace dpkernels {
 namespace cpu {
-
-using Vec = at::vec::Vectorized<float>;
-using DVec = at::vec::Vectorized<double>;
 
 // Elements per chunk: whole Philox runs and whole SIMD vectors; 2 KiB per fp32 stack buffer.
 constexpr int64_t kChunk = 512;
@@ -150,7 +145,7 @@ class BufferTable {
   int64_t L_;
 };
 
-// y[0:m) = filter_step(fc, x[0:m)) on at::vec lanes, with the fc.K buffers of tensor l read and
+// y[0:m) = filter_step(fc, x[0:m)) on Vec lanes, with the fc.K buffers of tensor l read and
 // written in place at elements [i0, i0 + m). x and y may be the same array.
 inline void filter_chunk(const FilterCoeffs& fc, const float* x, float* y, int64_t m, const BufferTable& bufs,
                          int64_t l, int64_t i0) {
@@ -207,29 +202,6 @@ class OutputStore {
  private:
   bool streaming_ = false;
 };
-
-// The two fp32 halves of a 16-bit vector (c10::Half, c10::BFloat16), under every CPU capability
-// (ATen's convert_to_float is inline for AVX2 only; VecConvert is specialised for each).
-template <typename scalar_t>
-inline std::tuple<Vec, Vec> to_float(const at::vec::Vectorized<scalar_t>& v) {
-  const auto f = at::vec::VecConvert<float, 2, scalar_t, 1>::apply(at::vec::VectorizedN<scalar_t, 1>(v));
-  return {f[0], f[1]};
-}
-
-// Adds the fp32 lanes of v to fp64 accumulators (Vec::size() / DVec::size() of them).
-inline void widen_add(const Vec& v, DVec* d) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m256 x = v;
-  d[0] = d[0] + DVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-  d[1] = d[1] + DVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-#else
-  alignas(64) float f32[Vec::size()];
-  alignas(64) double f64[Vec::size()];
-  v.store(f32);
-  at::vec::convert(f32, f64, Vec::size());
-  for (int q = 0; q < Vec::size() / DVec::size(); ++q) d[q] = d[q] + DVec::loadu(f64 + q * DVec::size());
-#endif
-}
 
 }  // namespace cpu
 }  // namespace dpkernels

@@ -10,7 +10,7 @@
 // is never read and an inf/NaN in a term that is switched off does not leak into the result. The
 // terms are summed in the order written (a x first, then k = 0, 1, ...), in fp32.
 //
-// T is float on the host and the device, or at::vec::Vectorized<float> in the CPU SIMD loops;
+// T is float on the host and the device, or cpu::Vec in the CPU SIMD loops;
 // buffer k is reached through load(k) / store(k, value), so the same functions serve any layout.
 #pragma once
 

@@ -34,7 +34,7 @@ DPK_HOST_DEVICE inline float bk_to_float(T x) {
 }
 
 // One coordinate of the shifted, scaled per-sample gradient, y = scale (p - shift), the optional
-// parts compiled out. T is float on the host and the device, or at::vec::Vectorized<float> in the
+// parts compiled out. T is float on the host and the device, or cpu::Vec in the
 // CPU kernel's SIMD epilogue.
 template <bool kShift, bool kScale, typename T>
 DPK_HOST_DEVICE inline T bk_shift_scale(T p, T shift, T scale) {

@@ -9,4 +9,8 @@
 #define DPK_DEVICE
 #endif
 
+// For the small SIMD helpers of the CPU kernels: a call, or a vector spilled across one, costs more
+// than the body.
+#define DPK_ALWAYS_INLINE __attribute__((always_inline)) inline
+
 #define DPK_CHECK(cond, ...) TORCH_CHECK(cond, "dpkernels: ", __VA_ARGS__)
