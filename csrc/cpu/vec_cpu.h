@@ -86,9 +86,14 @@ struct SimdVec {
   static constexpr int size() { return 16 / sizeof(T); }
   SimdVec() = default;
   DPK_ALWAYS_INLINE SimdVec(Reg r) : v(r) {}
-  // Every lane = x (element by element, so -0.0 and NaN payloads are kept).
+  // Every lane = x. An initializer list, which GCC emits as one shuffle (lane-by-lane writes
+  // become a chain of inserts; x + Reg{} would turn -0.0 into +0.0).
   DPK_ALWAYS_INLINE SimdVec(T x) {
-    for (int i = 0; i < size(); ++i) v[i] = x;
+    if constexpr (size() == 4) {
+      v = Reg{x, x, x, x};
+    } else {
+      v = Reg{x, x};
+    }
   }
   static DPK_ALWAYS_INLINE SimdVec loadu(const T* p) {
     SimdVec r;
