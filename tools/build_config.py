@@ -51,8 +51,9 @@ CPU_KERNEL_SOURCE_GLOBS = ("csrc/cpu/*.cpp",)
 
 # Each CPU capability's flags, best first (the names match torch.backends.cpu.get_cpu_capability()).
 # The -m flags give the instruction set the generators (csrc/cpu/noise_cpu.h, which tests
-# __AVX512F__/__AVX2__) use; the CPU_CAPABILITY_* define picks ATen's at::vec width for the
-# streaming kernels. The AVX-512 module keeps at::vec at 256 bits, as every earlier build of
+# __AVX512F__/__AVX2__) use; the CPU_CAPABILITY_* define picks the streaming kernels' vectors
+# (csrc/cpu/vec_cpu.h: ATen's at::vec for AVX2, the portable module's own 16-byte GCC vectors for
+# DEFAULT). The AVX-512 module keeps at::vec at 256 bits, as every earlier build of
 # dpkernels did (docs/BENCHMARKS.md): those kernels are memory-bound, and one run each with 512-bit
 # and 256-bit at::vec this session showed no difference that outlived the run-to-run spread, while
 # the generator gains 1.5x from its 16 lanes. Off x86-64 only
