@@ -163,16 +163,26 @@ DPK_ALWAYS_INLINE std::pair<Vec, Vec> load_widened(const scalar_t* p) {
     // Interleaving with zeros puts each value in the high half of a 32-bit lane (punpck[lh]wd).
     static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the interleave assumes little-endian lanes");
     const U16 zero{};
-    const U32 lo = __builtin_bit_cast(U32, __builtin_shufflevector(zero, h, 0, 8, 1, 9, 2, 10, 3, 11));
-    const U32 hi = __builtin_bit_cast(U32, __builtin_shufflevector(zero, h, 4, 12, 5, 13, 6, 14, 7, 15));
-    return {widened_bits<scalar_t>(lo), widened_bits<scalar_t>(hi)};
+    // GCC has __builtin_shuffle (and __builtin_shufflevector only from GCC 12), clang the latter.
+#if __has_builtin(__builtin_shuffle)
+    const U16 lo = __builtin_shuffle(zero, h, U16{0, 8, 1, 9, 2, 10, 3, 11});
+    const U16 hi = __builtin_shuffle(zero, h, U16{4, 12, 5, 13, 6, 14, 7, 15});
+#else
+    const U16 lo = __builtin_shufflevector(zero, h, 0, 8, 1, 9, 2, 10, 3, 11);
+    const U16 hi = __builtin_shufflevector(zero, h, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+    return {widened_bits<scalar_t>(__builtin_bit_cast(U32, lo)),
+            widened_bits<scalar_t>(__builtin_bit_cast(U32, hi))};
   }
 }
 
 DPK_ALWAYS_INLINE void widen_add(const Vec& v, DVec* d) {
-  using D = DVec::Reg;
-  d[0] = d[0] + DVec(__builtin_convertvector(__builtin_shufflevector(v.v, v.v, 0, 1), D));
-  d[1] = d[1] + DVec(__builtin_convertvector(__builtin_shufflevector(v.v, v.v, 2, 3), D));
+  using D4 = double __attribute__((vector_size(32)));  // two registers' worth: GCC splits it
+  DVec::Reg half[2];
+  const D4 wide = __builtin_convertvector(v.v, D4);
+  std::memcpy(half, &wide, sizeof(half));
+  d[0] = d[0] + DVec(half[0]);
+  d[1] = d[1] + DVec(half[1]);
 }
 
 #endif
