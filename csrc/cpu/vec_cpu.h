@@ -9,10 +9,11 @@
 // The AVX2 and AVX-512 modules use ATen's at::vec (256-bit; see tools/build_config.py), whose
 // fmadd is one fused instruction. The portable module has its own 16-byte GCC vector types, the
 // width every SIMD baseline has (SSE2 on x86-64, NEON, ...). ATen's portable Vectorized<float> is
-// an array that GCC keeps in memory: per_sample_sumsq ran at 0.34x and the register-tiled BK
-// kernels at 0.28x of the AVX2 module's speed with it (docs/BENCHMARKS.md, tenth session). Its
-// fmadd rounds the product and the sum separately, as ATen's portable fmadd does: the baseline
-// has no fused instruction, and a correctly rounded software fmaf costs several ns per lane.
+// an array that GCC keeps in memory: per_sample_sumsq ran at 0.32x and the register-tiled BK
+// kernels at 0.25-0.29x of the AVX2 module's speed with it, one thread (docs/BENCHMARKS.md, tenth
+// session). Its fmadd rounds the product and the sum separately, as ATen's portable fmadd does:
+// baseline x86-64 has no fused instruction, and the C library's correctly rounded fmaf costs ~2 ns
+// a call.
 #pragma once
 
 #include <ATen/ATen.h>
