@@ -70,22 +70,6 @@ constexpr int64_t kChunkT = 256;
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// dst[0, n) = src[0, n) as fp32.
-template <typename scalar_t>
-inline void row_to_float(const scalar_t* src, int64_t n, float* dst) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    int64_t e = 0;
-    for (; e + 2 * Vec::size() <= n; e += 2 * Vec::size()) {
-      const auto [x, y] = cpu::load_widened(src + e);
-      x.store(dst + e);
-      y.store(dst + e + Vec::size());
-    }
-    for (; e < n; ++e) dst[e] = bk_to_float(src[e]);
-  }
-}
-
 // Packs rows [0, rows) × columns [0, n) of src (row stride ld) as fp32 micro-panels of width W:
 // dst[p][t][0, W) = src[t][p W, p W + W), zero past column n. tmp: panels * W floats.
 template <int W, typename scalar_t>
@@ -93,7 +77,7 @@ void pack_panels(const scalar_t* src, int64_t ld, int64_t rows, int64_t n, int64
                  float* dst) {
   std::fill(tmp + n, tmp + panels * W, 0.f);
   for (int64_t t = 0; t < rows; ++t) {
-    row_to_float(src + t * ld, n, tmp);
+    cpu::widen_to_float(src + t * ld, n, tmp);
     for (int64_t p = 0; p < panels; ++p)
       std::memcpy(dst + (p * rows + t) * W, tmp + p * W, W * sizeof(float));
   }

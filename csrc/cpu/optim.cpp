@@ -74,13 +74,7 @@ float* load_theta(scalar_t* p, int64_t m, float* buf) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return p;
   } else {
-    int64_t i = 0;
-    for (; i + 2 * Vec::size() <= m; i += 2 * Vec::size()) {
-      const auto [a, b] = cpu::load_widened(p + i);
-      a.store(buf + i);
-      b.store(buf + i + Vec::size());
-    }
-    for (; i < m; ++i) buf[i] = static_cast<float>(p[i]);
+    cpu::widen_to_float(p, m, buf);
     return buf;
   }
 }

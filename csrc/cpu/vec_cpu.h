@@ -4,6 +4,7 @@
 //   Vec, DVec         fp32 and fp64 vectors (size(), loadu, store, broadcast, + - * /);
 //   fmadd(a, b, c)    a · b + c, on Vecs or floats with the same rounding;
 //   load_widened(p)   2 · Vec::size() elements of fp32, fp16 or bf16 as two fp32 Vecs;
+//   widen_to_float    a whole array of them into fp32;
 //   WideSum           fp64 accumulators that fp32 vectors are widened into.
 //
 // The AVX2 and AVX-512 modules use ATen's at::vec (256-bit; see tools/build_config.py), whose
@@ -189,6 +190,22 @@ DPK_ALWAYS_INLINE void widen_add(const Vec& v, DVec* d) {
 #endif
 
 static_assert(Vec::size() == 2 * DVec::size(), "widen_add fills two fp64 vectors");
+
+// dst[0:n) = src[0:n) as fp32, from fp32, fp16 or bf16.
+template <typename scalar_t>
+inline void widen_to_float(const scalar_t* src, int64_t n, float* dst) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t e = 0;
+    for (; e + 2 * Vec::size() <= n; e += 2 * Vec::size()) {
+      const auto [x, y] = load_widened(src + e);
+      x.store(dst + e);
+      y.store(dst + e + Vec::size());
+    }
+    for (; e < n; ++e) dst[e] = static_cast<float>(src[e]);
+  }
+}
 
 // fp64 sums of fp32 vectors: lane e of every added vector goes to fp64 lane e, and total() adds the
 // lanes in order. The additions are the same whatever the thread count, so a task's result is.
