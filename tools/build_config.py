@@ -46,7 +46,7 @@ INCLUDE_DIRS = ("csrc/include",)
 # Source globs (relative to ROOT). dpkernels._C: the core C++ always, CUDA when the CUDA part is
 # built. dpkernels._cpu_<capability>: the CPU kernels, once per CPU_CAPABILITIES entry.
 CORE_SOURCE_GLOBS = ("csrc/*.cpp",)
-CUDA_SOURCE_GLOBS = ("csrc/cuda/*.cu",)
+CUDA_SOURCE_GLOBS = ("csrc/cuda/*.cu", "csrc/cuda/*.cpp")
 CPU_KERNEL_SOURCE_GLOBS = ("csrc/cpu/*.cpp",)
 
 # Each CPU capability's flags, best first (the names match torch.backends.cpu.get_cpu_capability()).
@@ -67,6 +67,10 @@ CPU_CAPABILITIES = {
 }  # fmt: skip
 if not _X86:
     CPU_CAPABILITIES = {"default": CPU_CAPABILITIES["default"]}
+# And for every CPU kernel module: hidden symbols. Each module defines the same kernels and inline
+# helpers, compiled for its own instruction set; only its PyInit_ is exported, so no module's
+# function can ever bind to another's, whatever loads them.
+CPU_MODULE_FLAGS = ("-fvisibility=hidden",)
 
 # C++ flags of every translation unit (the CPU arch flags below come after them).
 # -ffp-contract=off: no FMA contraction, so the element math rounds as written (and as the
@@ -75,11 +79,15 @@ if not _X86:
 # results); both must be command-line flags (GCC fixes the builtins' attributes per translation
 # unit, before any #pragma GCC optimize). -g0: no debug info (Python's own CFLAGS ask for -g), which
 # halves the compile time of the template-heavy kernels (28 s to 15 s for csrc/cpu/clip.cpp).
-CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-g0")
+# TORCH_ASSERT_ONLY_METHOD_OPERATORS: ATen's guard against its all-operator headers (ATen/ATen.h,
+# ATen/Functions.h). A file includes ATen/core/Tensor.h and the per-operator ATen/ops/<op>.h it calls:
+# ATen/ATen.h costs ~10 s of g++ and ~40 s of nvcc per file (docs/BENCHMARKS.md, "Build time").
+CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-g0",
+             "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS")  # fmt: skip
 LINK_FLAGS = ("-fopenmp",)
 
 # nvcc flags of every .cu file (the -gencode list comes after them).
-NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo")
+NVCC_FLAGS = ("-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS")
 # Machine code (SASS) for each of these; PTX for the last one too, so newer GPUs JIT it.
 # DPK_CUDA_ARCHS (comma-separated SM numbers, e.g. "90") builds for those instead: a GPU machine
 # checking its own build (tools/gpu_check.py) skips the others' nvcc passes.
@@ -123,7 +131,7 @@ def real_cuda_home() -> str | None:
 def cxx_flags(capability: str | None = None) -> list[str]:
     """Every C++ compile flag: :data:`CXX_FLAGS`, then for a CPU kernel module its capability's
     (``None``: the core module, baseline x86-64)."""
-    return [*CXX_FLAGS, *(CPU_CAPABILITIES[capability] if capability else ())]
+    return [*CXX_FLAGS, *((*CPU_CAPABILITIES[capability], *CPU_MODULE_FLAGS) if capability else ())]
 
 
 def gencode_flags(archs=CUDA_ARCHS, ptx_arch: int | None = PTX_ARCH) -> list[str]:

@@ -85,7 +85,7 @@ def _fill(member: str, how: str, i: int) -> str:
 
 def gen_parse(ka) -> str:
     out = [_HEAD, "// Host-side parsing of the `hyper` and filter coefficient lists into the structs of kernel_args.h.",
-           "#pragma once\n", "#include <ATen/ATen.h>\n", "#include <cmath>\n", '#include "dpkernels/filter.h"',
+           "#pragma once\n", "#include <ATen/core/Tensor.h>\n", "#include <cmath>\n", '#include "dpkernels/filter.h"',
            '#include "dpkernels/kernel_args.h"', '#include "dpkernels/macros.h"\n', "namespace dpkernels {\n",
            "// hyper lists: n finite values; integer fields travel as exact floats.",
            "inline void check_hyper(at::ArrayRef<double> hyper, size_t n, const char* op) {",

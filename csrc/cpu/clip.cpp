@@ -3,10 +3,10 @@
 // Both streaming passes cut the whole tensor list into tasks of bounded size, which the threads
 // claim in contiguous runs of about equal cost (cpu::parallel_over_tasks, stream_cpu.h), so one
 // pass covers hundreds of tensors with a single parallel region and no per-tensor dispatch.
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +17,7 @@
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/kernels.h"
 #include "noise_cpu.h"
 #include "stream_cpu.h"
 #include "vec_cpu.h"
@@ -176,6 +177,8 @@ at::Tensor sumsq_pass(at::TensorList grads, at::ArrayRef<double> coeffs, at::Ten
   return out;
 }
 
+}  // namespace
+
 at::Tensor per_sample_sumsq_cpu(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
                                 at::TensorList scale) {
   return sumsq_pass(grads, coeffs, shift, scale,
@@ -202,6 +205,8 @@ at::Tensor clip_factors_cpu(const at::Tensor& norms, at::ArrayRef<double> max_gr
   });
   return out;
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // weighted_sum: S_l = Σ_i w[i, l] Σ_j α_j g_j[i], fp32 accumulation; zero-weight samples skipped.
@@ -380,11 +385,15 @@ std::vector<at::Tensor> sum_pass(at::TensorList grads, at::ArrayRef<double> coef
   return out;
 }
 
+}  // namespace
+
 std::vector<at::Tensor> weighted_sum_cpu(at::TensorList grads, at::ArrayRef<double> coeffs,
                                          const at::Tensor& weights) {
   return sum_pass(grads, coeffs, weights, SumEpilogue{},
                   check_clip_inputs(grads, coeffs, {}, {}, c10::DeviceType::CPU));
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // clip_pipeline: the three stages in one call (clip_and_accumulate, privatize and the optimizers'
@@ -413,6 +422,8 @@ SumEpilogue pipeline_epilogue(const NoiseSpec& spec, at::TensorList noise, const
   return ep;
 }
 
+}  // namespace
+
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cpu(
     at::TensorList grads, at::ArrayRef<double> coeffs, at::ArrayRef<double> max_grad_norm,
     c10::string_view mode, double r, at::TensorList shift, at::TensorList scale, bool per_layer,
@@ -435,15 +446,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cpu(
   }
   if (!drop_nonfinite) check_nonfinite(finite.data(), lay.B);
   return {sum_pass(grads, coeffs, weights, pipeline_epilogue(spec, noise, lay, grads), lay), norms, weights};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
-  m.impl("per_sample_sumsq", &per_sample_sumsq_cpu);
-  m.impl("clip_factors", &clip_factors_cpu);
-  m.impl("weighted_sum", &weighted_sum_cpu);
-  m.impl("clip_pipeline", &clip_pipeline_cpu);
 }
 
 }  // namespace dpkernels

@@ -9,13 +9,13 @@
 // __fadd_rn there): the build's -ffp-contract=off keeps GCC from fusing them into FMAs.
 #include "dpkernels/filter.h"
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 
 #include "dpkernels/dispatch.h"
 #include "dpkernels/filter_layout.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "noise_cpu.h"
@@ -25,6 +25,8 @@ namespace dpkernels {
 namespace {
 
 using cpu::kChunk;
+
+}  // namespace
 
 void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorList out,
                        at::ArrayRef<double> coeffs, bool accumulate, double noise_std, int64_t seed,
@@ -67,9 +69,5 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
     });
   });
 }
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) { m.impl("linear_filter_", &linear_filter_cpu); }
 
 }  // namespace dpkernels

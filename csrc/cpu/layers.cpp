@@ -29,9 +29,9 @@
 // thread count nor on the task order.
 #include "dpkernels/layers.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 
 #include <algorithm>
 #include <array>
@@ -44,6 +44,7 @@
 
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "stream_cpu.h"
 #include "vec_cpu.h"
@@ -475,6 +476,8 @@ struct DirectConvKernel {
   }
 };
 
+}  // namespace
+
 at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
                                   const std::optional<at::Tensor>& scale,
                                   const std::optional<at::Tensor>& shift) {
@@ -518,13 +521,6 @@ at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::
                out.data_ptr<float>());
   });
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
-  m.impl("linear_sumsq_tiled", &linear_sumsq_tiled_cpu);
-  m.impl("conv2d_sumsq_tiled", &conv2d_sumsq_tiled_cpu);
 }
 
 }  // namespace dpkernels

@@ -3,16 +3,16 @@
 // Work is cut into runs of kBatch Philox blocks (noise_cpu.h): each run computes its blocks' words
 // lane-parallel (one SIMD lane per block) and, for Gaussians, the Box-Muller transform in SIMD,
 // then writes or adds the 4 * kBatch values in element order.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "dpkernels/chacha20.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/philox.h"
 #include "noise_cpu.h"
@@ -38,17 +38,6 @@ void for_each_run(int64_t e0, int64_t e1, const Gen& gen, const Sink& sink) {
       sink(lo, vals + (lo - run * kLen), hi - lo);
     }
   });
-}
-
-void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
-  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
-            "out must be a contiguous int64 CPU tensor");
-  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
-  const NoiseKey key = make_key(seed, step, stream);
-  int64_t* o = out.data_ptr<int64_t>();
-  for_each_run<uint32_t, kRun>(
-      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); },
-      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
 }
 
 // out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
@@ -77,29 +66,7 @@ void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step
   }
 }
 
-void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
-                       int64_t offset) {
-  gaussian_cpu({out}, std, seed, step, stream, offset, /*accumulate=*/false);
-}
-
-void add_gaussian_noise_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
-                            int64_t offset) {
-  gaussian_cpu(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
-}
-
-// Secure mode (docs/RNG.md §6): ChaCha20 words, and float64 normals whose value std * z (plus the
-// element, when accumulating) is formed in float64 and rounded once to the storage dtype.
-void chacha20_uint32_cpu(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream, int64_t offset) {
-  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
-            "out must be a contiguous int64 CPU tensor");
-  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
-  const ChachaKey k = make_chacha_key(key, step, stream);
-  int64_t* o = out.data_ptr<int64_t>();
-  for_each_run<uint32_t, kChachaWordRun>(
-      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { chacha_run(run * kBatch, k, w); },
-      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
-}
-
+// out[i] (+)= std * z(offset + i) for each tensor with ChaCha20's float64 normals (secure mode).
 void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
                            int64_t stream, int64_t offset, bool accumulate) {
   const ChachaKey k = make_chacha_key(key, step, stream);
@@ -124,6 +91,42 @@ void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef k
   }
 }
 
+}  // namespace
+
+void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
+  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CPU tensor");
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  const NoiseKey key = make_key(seed, step, stream);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_run<uint32_t, kRun>(
+      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); },
+      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+}
+
+void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
+                       int64_t offset) {
+  gaussian_cpu({out}, std, seed, step, stream, offset, /*accumulate=*/false);
+}
+
+void add_gaussian_noise_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                            int64_t offset) {
+  gaussian_cpu(tensors, std, seed, step, stream, offset, /*accumulate=*/true);
+}
+
+// Secure mode (docs/RNG.md §6): ChaCha20 words, and float64 normals whose value std * z (plus the
+// element, when accumulating) is formed in float64 and rounded once to the storage dtype.
+void chacha20_uint32_cpu(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream, int64_t offset) {
+  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CPU tensor");
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  const ChachaKey k = make_chacha_key(key, step, stream);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_run<uint32_t, kChachaWordRun>(
+      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { chacha_run(run * kBatch, k, w); },
+      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+}
+
 void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key, int64_t step,
                                 int64_t stream, int64_t offset) {
   chacha20_gaussian_cpu({out}, std, key, step, stream, offset, /*accumulate=*/false);
@@ -132,17 +135,6 @@ void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key
 void chacha20_add_gaussian_noise_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
                                      int64_t stream, int64_t offset) {
   chacha20_gaussian_cpu(tensors, std, key, step, stream, offset, /*accumulate=*/true);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
-  m.impl("philox_uint32_", &philox_uint32_cpu);
-  m.impl("gaussian_fill_", &gaussian_fill_cpu);
-  m.impl("add_gaussian_noise_", &add_gaussian_noise_cpu);
-  m.impl("chacha20_uint32_", &chacha20_uint32_cpu);
-  m.impl("chacha20_gaussian_fill_", &chacha20_gaussian_fill_cpu);
-  m.impl("chacha20_add_gaussian_noise_", &chacha20_add_gaussian_noise_cpu);
 }
 
 }  // namespace dpkernels

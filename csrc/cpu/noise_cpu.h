@@ -3,7 +3,7 @@
 // the Box-Muller transform in SIMD.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>

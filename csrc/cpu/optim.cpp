@@ -15,9 +15,9 @@
 // trapping-math is off here and math-errno in the whole build (setup.py) so that the loops with
 // sqrt and the selects of optim_math.h vectorise; neither changes a result.
 #pragma GCC optimize("no-trapping-math")
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -25,6 +25,7 @@
 
 #include "dpkernels/dispatch.h"
 #include "dpkernels/filter.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/optim_layout.h"
@@ -261,6 +262,8 @@ struct MacAdamChunk {
 // Launchers
 // ---------------------------------------------------------------------------------------------
 
+}  // namespace
+
 void sgd_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state,
                   at::ArrayRef<double> dir_coeffs, at::TensorList past, at::TensorList noise,
                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
@@ -274,6 +277,8 @@ void sgd_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList sta
   const cpu::BufferTable st(state, lay.L);
   run_step(lay, params, sums, past, nz, offset, SgdChunk{h, dir, st});
 }
+
+namespace {
 
 // dp2_step_, adam_step_, macadam_step_: validation, then one pass of Chunk<variant> (E's value
 // `variant`, of N) over the list with n_state state buffers per parameter.
@@ -290,6 +295,8 @@ double family_step(const Hyper& h, int variant, int64_t n_state, at::TensorList 
     return run_step(lay, params, sums, {}, nz, offset, Chunk<decltype(v)::value>{h, st});
   });
 }
+
+}  // namespace
 
 void dp2_step_cpu(at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,
                   at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
@@ -317,15 +324,6 @@ at::Tensor macadam_step_cpu(at::TensorList params, at::TensorList sums, at::Tens
       family_step<MacAdamChunk, MacAdamBC, 3>(h, h.bc, 6, params, sums, state, noise, noise_state,
                                               noise_coeffs, noise_std, seed, step, stream, offset);
   return at::scalar_tensor(total, at::dtype(at::kDouble));
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
-  m.impl("sgd_step_", &sgd_step_cpu);
-  m.impl("dp2_step_", &dp2_step_cpu);
-  m.impl("adam_step_", &adam_step_cpu);
-  m.impl("macadam_step_", &macadam_step_cpu);
 }
 
 }  // namespace dpkernels

@@ -14,8 +14,8 @@
 // contraction (see filter.cpp) so that products and sums round as in the reference.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <unistd.h>
 #if defined(__AVX__)
 #include <immintrin.h>

@@ -21,7 +21,7 @@
 // as coalesced, only with 4-byte or 2-byte transactions per thread.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -2,12 +2,12 @@
 // clip_pipeline. per_sample_sumsq_kernel streams every parameter's chunks for a group of samples at
 // once and writes one fp64 partial per (sample, chunk); sumsq_reduce_kernel sums each parameter's
 // partials (see [note: determinism] in clip.cuh).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "multi_tensor.cuh"
 
@@ -183,12 +184,12 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (lane == 0) out[i * L + a.first_param + e] = acc;
 }
 
+}  // namespace
+
 at::Tensor per_sample_sumsq_cuda(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
                                  at::TensorList scale) {
   return cuda_clip::sumsq_pass(grads, coeffs, shift, scale, check_cuda_inputs(grads, coeffs, shift, scale));
 }
-
-}  // namespace
 
 at::Tensor cuda_clip::sumsq_pass(at::TensorList grads, at::ArrayRef<double> coeffs, at::TensorList shift,
                                  at::TensorList scale, const ClipLayout& lay) {
@@ -260,7 +261,5 @@ at::Tensor cuda_clip::sumsq_pass(at::TensorList grads, at::ArrayRef<double> coef
   }
   return out;
 }
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) { m.impl("per_sample_sumsq", &per_sample_sumsq_cuda); }
 
 }  // namespace dpkernels

@@ -1,13 +1,14 @@
 // clip_factors and the fused clip_pipeline of the CUDA clipping ops (see clip.cuh): the per-sample
 // weights from the norms, and the pipeline's three stages (the norms pass of clip_norms.cu, the
 // weights, the sum pass of clip_sum.cu with its private epilogue).
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include "dpkernels/chacha20.h"
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/clip_math.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "multi_tensor.cuh"
@@ -67,6 +69,8 @@ __global__ void __launch_bounds__(kClipThreads)
                               w + i * L, norms + i * (per_layer ? L : 1));
 }
 
+}  // namespace
+
 at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_grad_norm,
                              c10::string_view mode, double r) {
   DPK_CHECK(norms.is_cuda(), "norms must be a CUDA tensor for the cuda kernel, got ", norms.device());
@@ -104,6 +108,8 @@ at::Tensor clip_factors_cuda(const at::Tensor& norms, at::ArrayRef<double> max_g
   return out;
 }
 
+namespace {
+
 // The sum pass's epilogue for a pipeline call (clip_layout.h NoiseSpec). The ChaCha20 key words
 // travel in a device array, returned in *table: the caller keeps it alive until after the launch
 // (the caching allocator then orders its reuse after the kernel on this stream).
@@ -137,6 +143,8 @@ SumEpilogue pipeline_epilogue(const NoiseSpec& spec, bool has_noise, const c10::
   return ep;
 }
 
+}  // namespace
+
 // The three stages with the same kernels as the separate ops; the weights never leave the device.
 // drop_nonfinite = false copies B flags to the host (one sync, as the reference's check does).
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
@@ -167,13 +175,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> clip_pipeline_cuda(
   at::Tensor table;
   const SumEpilogue ep = pipeline_epilogue(spec, !noise.empty(), sumsq.device(), &table);
   return {cuda_clip::sum_pass(grads, coeffs, weights, ep, noise, lay), norms, weights};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
-  m.impl("clip_factors", &clip_factors_cuda);
-  m.impl("clip_pipeline", &clip_pipeline_cuda);
 }
 
 }  // namespace dpkernels

@@ -9,12 +9,12 @@
 // noise in registers as the result is written, so it never exists in memory (DESIGN.md §3). Secure mode
 // (kChacha, docs/RNG.md §6) is its own instantiation, so that the Philox and plain variants carry none of
 // its registers: out = float(double(S) + std * z) * scale with the float64 ChaCha20 normal z.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +24,7 @@
 #include "clip.cuh"
 #include "dpkernels/chacha20.h"
 #include "dpkernels/clip_layout.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/philox.h"
 #include "multi_tensor.cuh"
@@ -354,13 +355,13 @@ __global__ void __launch_bounds__(kWsumThreads, kWsumMinBlocks)
   }
 }
 
+}  // namespace
+
 std::vector<at::Tensor> weighted_sum_cuda(at::TensorList grads, at::ArrayRef<double> coeffs,
                                           const at::Tensor& weights) {
   return cuda_clip::sum_pass(grads, coeffs, weights, SumEpilogue{}, {},
                              check_cuda_inputs(grads, coeffs, {}, {}));
 }
-
-}  // namespace
 
 std::vector<at::Tensor> cuda_clip::sum_pass(at::TensorList grads, at::ArrayRef<double> coeffs,
                                             const at::Tensor& weights, const SumEpilogue& ep,
@@ -414,7 +415,5 @@ std::vector<at::Tensor> cuda_clip::sum_pass(at::TensorList grads, at::ArrayRef<d
   });
   return out;
 }
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) { m.impl("weighted_sum", &weighted_sum_cuda); }
 
 }  // namespace dpkernels

@@ -8,18 +8,18 @@
 // part of its old value (c_k != 0, d_k != 0) is loaded twice (once for y, once for its update); the
 // second load is an L1 hit. Products and sums are rounded as in the reference ([note: stream
 // rounding]).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "multi_tensor.cuh"
@@ -60,6 +60,8 @@ __global__ void __launch_bounds__(kStreamThreads)
   stream_blocks(tab, num_chunks, body, [](int64_t) {});
 }
 
+}  // namespace
+
 void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorList out,
                         at::ArrayRef<double> coeffs, bool accumulate, double noise_std, int64_t seed,
                         int64_t step, int64_t stream, int64_t offset) {
@@ -91,9 +93,5 @@ void linear_filter_cuda(at::TensorList inputs, at::TensorList state, at::TensorL
         });
   });
 }
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) { m.impl("linear_filter_", &linear_filter_cuda); }
 
 }  // namespace dpkernels

@@ -16,12 +16,11 @@
 // (128-bit loads on the aligned path). ConvLayout reads a Conv2d as the linear layer over its im2col
 // patches without building them: the a values are gathered straight from x (implicit im2col, zero
 // outside the image) and g is read in its own [O][T] channel planes. One launcher core serves both.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,6 +31,7 @@
 
 #include "dpkernels/clip_layout.h"
 #include "dpkernels/dispatch.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/layers.h"
 #include "dpkernels/macros.h"
 
@@ -429,6 +429,8 @@ at::Tensor tiled_sumsq_cuda(const char* op, const LinearShape& s, const at::Tens
   return out;
 }
 
+}  // namespace
+
 at::Tensor linear_sumsq_tiled_cuda(const at::Tensor& a, const at::Tensor& g,
                                    const std::optional<at::Tensor>& scale,
                                    const std::optional<at::Tensor>& shift) {
@@ -459,13 +461,6 @@ at::Tensor conv2d_sumsq_tiled_cuda(const at::Tensor& x, const at::Tensor& g, at:
                              c.W, c.W_out, c.kh * c.kw, c.kw, c.stride_h, c.stride_w, c.pad_h, c.pad_w,
                              c.dilation_h, c.dilation_w});
       });
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
-  m.impl("linear_sumsq_tiled", &linear_sumsq_tiled_cuda);
-  m.impl("conv2d_sumsq_tiled", &conv2d_sumsq_tiled_cuda);
 }
 
 }  // namespace dpkernels

@@ -39,12 +39,11 @@
 // storage dtype. __fmul_rn/__fadd_rn keep nvcc from contracting the product and the sum into an
 // FMA (which rounds once, so it would differ from the reference in the last bit). box_muller() uses
 // the precise logf/cosf/sinf/sqrtf; this file must not be built with --use_fast_math.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -53,6 +52,7 @@
 #include <vector>
 
 #include "dpkernels/chacha20.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/philox.h"
@@ -262,6 +262,8 @@ void check_offset(int64_t offset, int64_t total) {
             offset, ", ", total, " elements");
 }
 
+}  // namespace
+
 void philox_uint32_cuda(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
   DPK_CHECK(out.is_cuda() && out.scalar_type() == at::kLong && out.is_contiguous(),
             "out must be a contiguous int64 CUDA tensor, got ", out.scalar_type(), " on ", out.device());
@@ -282,6 +284,8 @@ void chacha20_uint32_cuda(at::Tensor& out, at::IntArrayRef key, int64_t step, in
   const c10::cuda::CUDAGuard guard(out.device());
   launch_noise<int64_t, NoiseOp::kWords, 1, ChachaGen>(out, {{0, out.numel(), offset}}, k, 0.0);
 }
+
+namespace {
 
 // Whether two of the tensors share memory. Then a single launch would race on it, so the tensors
 // are processed one launch each, in list order, like the CPU kernel does.
@@ -340,6 +344,8 @@ void gaussian_cuda(at::TensorList tensors, typename Gen::Scale s, const typename
   }
 }
 
+}  // namespace
+
 void gaussian_fill_cuda(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
                         int64_t offset) {
   gaussian_cuda<PhiloxGen>({out}, static_cast<float>(std), make_key(seed, step, stream), offset,
@@ -360,17 +366,6 @@ void chacha20_gaussian_fill_cuda(at::Tensor& out, double std, at::IntArrayRef ke
 void chacha20_add_gaussian_noise_cuda(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
                                       int64_t stream, int64_t offset) {
   gaussian_cuda<ChachaGen>(tensors, std, make_chacha_key(key, step, stream), offset, /*accumulate=*/true);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
-  m.impl("philox_uint32_", &philox_uint32_cuda);
-  m.impl("gaussian_fill_", &gaussian_fill_cuda);
-  m.impl("add_gaussian_noise_", &add_gaussian_noise_cuda);
-  m.impl("chacha20_uint32_", &chacha20_uint32_cuda);
-  m.impl("chacha20_gaussian_fill_", &chacha20_gaussian_fill_cuda);
-  m.impl("chacha20_add_gaussian_noise_", &chacha20_add_gaussian_noise_cuda);
 }
 
 }  // namespace dpkernels

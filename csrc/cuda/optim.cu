@@ -22,18 +22,19 @@
 // numbered over all launches of the call (dtype groups, then tables, then chunks), and one block sums
 // the partials in a fixed order. The chunk layout depends only on the tensors (kStreamChunk), never on
 // the grid size, so the result is the same on every GPU.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "dpkernels/filter.h"
 #include "dpkernels/filter_layout.h"
+#include "dpkernels/kernels.h"
 #include "dpkernels/macros.h"
 #include "dpkernels/noise_key.h"
 #include "dpkernels/optim_layout.h"
@@ -269,6 +270,8 @@ at::Tensor run_step(const StepTensors& t, int64_t n_state, at::ArrayRef<double> 
   }
 }
 
+}  // namespace
+
 void sgd_step_cuda(at::TensorList params, at::TensorList sums, at::TensorList state,
                    at::ArrayRef<double> dir_coeffs, at::TensorList past, at::TensorList noise,
                    at::TensorList noise_state, at::ArrayRef<double> noise_coeffs, double noise_std,
@@ -302,15 +305,6 @@ at::Tensor macadam_step_cuda(at::TensorList params, at::TensorList sums, at::Ten
                              int64_t stream, int64_t offset, at::ArrayRef<double> hyper) {
   return run_step<MacAdamFamily>({params, sums, state, noise, noise_state, {}}, 6, noise_coeffs, noise_std,
                                  seed, step, stream, offset, parse_macadam_hyper(hyper));
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(dpkernels_C, CUDA, m) {
-  m.impl("sgd_step_", &sgd_step_cuda);
-  m.impl("dp2_step_", &dp2_step_cuda);
-  m.impl("adam_step_", &adam_step_cuda);
-  m.impl("macadam_step_", &macadam_step_cuda);
 }
 
 }  // namespace dpkernels

@@ -2,7 +2,8 @@
 // launchers of the clipping ops.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdlib>

@@ -1,7 +1,7 @@
 // Host-side validation of a linear_filter_ call, shared by the CPU and CUDA launchers.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <vector>

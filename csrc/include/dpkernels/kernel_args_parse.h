@@ -3,7 +3,7 @@
 // Host-side parsing of the `hyper` and filter coefficient lists into the structs of kernel_args.h.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 

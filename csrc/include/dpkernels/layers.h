@@ -16,7 +16,7 @@
 // the fp32 result infinite anyway, so the fp32 squares lose nothing there.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

@@ -3,7 +3,7 @@
 // kernel_args_parse.h (parse_<family>_hyper).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <vector>
