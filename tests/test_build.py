@@ -1,4 +1,5 @@
-"""The extension build's guard against a private copy of libstdc++ (tools/build_config.py).
+"""The extension build: its guard against a private copy of libstdc++ (tools/build_config.py), and
+the registration of every native op's kernels from the one list in csrc/include/dpkernels/kernels.h.
 
 On the GPU machine, a compiler that links part of its C++ runtime in statically put libstdc++ code
 into the modules, and the first error message any of them formatted died with SIGSEGV. The build
@@ -8,6 +9,7 @@ failure is made here with ``-static-libstdc++``.
 """
 
 import importlib.util
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,3 +67,38 @@ def test_built_modules_carry_no_libstdcxx():
         pytest.skip("pure-Python install")
     for path in modules:
         cfg.check_no_private_libstdcxx(str(path))
+
+
+def _native_op_tables():
+    if "cpu" not in dpkernels.available_backends("cpu"):
+        pytest.skip("C++ extension not built")
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dpkernels_C::"))
+    return {n: torch._C._dispatch_dump(n) for n in names}
+
+
+def test_every_native_op_has_its_kernels():
+    """Each schema of csrc/ops.cpp is in kernels.h's list and has a CPU kernel (csrc/cpu/module.cpp);
+    when the CUDA part is built, every op has a CUDA kernel too (csrc/cuda/register.cpp)."""
+    schemas = re.findall(r'm\.def\(\s*"(\w+)\(', (ROOT / "csrc" / "ops.cpp").read_text())
+    listed = re.findall(r"^\s+X\((\w+), ", (ROOT / "csrc" / "include" / "dpkernels" / "kernels.h").read_text(), re.M)
+    assert len(schemas) == 17 and sorted(listed) == sorted(schemas)
+    tables = _native_op_tables()
+    assert sorted(tables) == sorted(f"dpkernels_C::{s}" for s in schemas)
+    assert [n for n, t in tables.items() if not re.search(r"^CPU: registered at .*module\.cpp", t, re.M)] == []
+    with_cuda = [n for n, t in tables.items() if re.search(r"^CUDA: registered at .*register\.cpp", t, re.M)]
+    assert with_cuda in ([], sorted(tables)), f"CUDA kernels for only some ops: {with_cuda}"
+
+
+def test_cpu_modules_export_only_their_init():
+    """The per-instruction-set modules define the same kernels and helpers: hidden visibility keeps
+    each module's own (none of dpkernels' symbols is exported)."""
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm")
+    modules = sorted(Path(dpkernels.__file__).parent.glob("_cpu_*.so"))
+    if not modules:
+        pytest.skip("pure-Python install")
+    for path in modules:
+        out = subprocess.run(["nm", "-DC", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+        symbols = [line.split(None, 2)[-1] for line in out.stdout.splitlines()]
+        assert f"PyInit_{path.name.split('.')[0]}" in symbols
+        assert [s for s in symbols if "dpkernels" in s] == [], path.name
