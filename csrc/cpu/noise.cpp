@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "dpkernels/chacha20.h"
@@ -40,68 +41,75 @@ void for_each_run(int64_t e0, int64_t e1, const Gen& gen, const Sink& sink) {
   });
 }
 
-// out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
-void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
-                  int64_t offset, bool accumulate) {
-  const NoiseKey key = make_key(seed, step, stream);
+// out[i] = the uint32 word of element offset + i, as int64; gen(run, words) writes run `run`'s kLen
+// words.
+template <int64_t kLen, typename Gen>
+void words_cpu(at::Tensor& out, int64_t offset, const Gen& gen) {
+  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
+            "out must be a contiguous int64 CPU tensor");
   DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
-  const float s = static_cast<float>(std);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_run<uint32_t, kLen>(
+      offset, offset + out.numel(), gen,
+      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+}
+
+// For each tensor of the list, store(dst, z, n) over its elements, where z holds the normals (type
+// T; gen(run, z) writes run `run`'s kLen of them) of dst's elements: the global index runs across
+// the list from offset. (The public op is gaussian_noise, with either generator.)
+template <typename T, int64_t kLen, typename Gen, typename Store>
+void normals_cpu(at::TensorList tensors, int64_t offset, const Gen& gen, const Store& store) {
+  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   int64_t base = offset;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const at::Tensor& x = tensors[t];
     DPK_CHECK(x.device().is_cpu() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CPU tensor");
     DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "gaussian_noise", [&] {
       scalar_t* p = x.data_ptr<scalar_t>();
-      for_each_run<float, kRun>(
-          base, base + x.numel(), [&](uint64_t run, float* z) { normal_run(run * kBatch, key, z); },
-          [&](int64_t e, const float* z, int64_t n) {
-            scalar_t* dst = p + (e - base);
-            for (int64_t i = 0; i < n; ++i) {
-              const float v = s * z[i];
-              dst[i] = static_cast<scalar_t>(accumulate ? static_cast<float>(dst[i]) + v : v);
-            }
-          });
+      for_each_run<T, kLen>(base, base + x.numel(), gen,
+                            [&](int64_t e, const T* z, int64_t n) { store(p + (e - base), z, n); });
     });
     base += x.numel();
   }
 }
 
-// out[i] (+)= std * z(offset + i) for each tensor with ChaCha20's float64 normals (secure mode).
+// out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
+void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
+                  int64_t offset, bool accumulate) {
+  const NoiseKey key = make_key(seed, step, stream);
+  const float s = static_cast<float>(std);
+  normals_cpu<float, kRun>(
+      tensors, offset, [&](uint64_t run, float* z) { normal_run(run * kBatch, key, z); },
+      [&](auto* dst, const float* z, int64_t n) {
+        using S = std::remove_pointer_t<decltype(dst)>;
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = s * z[i];
+          dst[i] = static_cast<S>(accumulate ? static_cast<float>(dst[i]) + v : v);
+        }
+      });
+}
+
+// The same with ChaCha20's float64 normals (secure mode): std * z (plus the element) is formed in
+// float64 and rounded once to the storage dtype.
 void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef key, int64_t step,
                            int64_t stream, int64_t offset, bool accumulate) {
   const ChachaKey k = make_chacha_key(key, step, stream);
-  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
-  int64_t base = offset;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const at::Tensor& x = tensors[t];
-    DPK_CHECK(x.device().is_cpu() && x.is_contiguous(), "tensors[", t, "] must be a contiguous CPU tensor");
-    DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "chacha20_gaussian_noise", [&] {
-      scalar_t* p = x.data_ptr<scalar_t>();
-      for_each_run<double, kChachaNormalRun>(
-          base, base + x.numel(), [&](uint64_t run, double* z) { chacha_normal_run(run * kBatch, k, z); },
-          [&](int64_t e, const double* z, int64_t n) {
-            scalar_t* dst = p + (e - base);
-            for (int64_t i = 0; i < n; ++i) {
-              const double v = std * z[i];
-              dst[i] = round_once<scalar_t>(accumulate ? static_cast<double>(dst[i]) + v : v);
-            }
-          });
-    });
-    base += x.numel();
-  }
+  normals_cpu<double, kChachaNormalRun>(
+      tensors, offset, [&](uint64_t run, double* z) { chacha_normal_run(run * kBatch, k, z); },
+      [&](auto* dst, const double* z, int64_t n) {
+        using S = std::remove_pointer_t<decltype(dst)>;
+        for (int64_t i = 0; i < n; ++i) {
+          const double v = std * z[i];
+          dst[i] = round_once<S>(accumulate ? static_cast<double>(dst[i]) + v : v);
+        }
+      });
 }
 
 }  // namespace
 
 void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
-  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
-            "out must be a contiguous int64 CPU tensor");
-  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   const NoiseKey key = make_key(seed, step, stream);
-  int64_t* o = out.data_ptr<int64_t>();
-  for_each_run<uint32_t, kRun>(
-      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); },
-      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+  words_cpu<kRun>(out, offset, [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); });
 }
 
 void gaussian_fill_cpu(at::Tensor& out, double std, int64_t seed, int64_t step, int64_t stream,
@@ -117,14 +125,8 @@ void add_gaussian_noise_cpu(at::TensorList tensors, double std, int64_t seed, in
 // Secure mode (docs/RNG.md §6): ChaCha20 words, and float64 normals whose value std * z (plus the
 // element, when accumulating) is formed in float64 and rounded once to the storage dtype.
 void chacha20_uint32_cpu(at::Tensor& out, at::IntArrayRef key, int64_t step, int64_t stream, int64_t offset) {
-  DPK_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous(),
-            "out must be a contiguous int64 CPU tensor");
-  DPK_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
   const ChachaKey k = make_chacha_key(key, step, stream);
-  int64_t* o = out.data_ptr<int64_t>();
-  for_each_run<uint32_t, kChachaWordRun>(
-      offset, offset + out.numel(), [&](uint64_t run, uint32_t* w) { chacha_run(run * kBatch, k, w); },
-      [&](int64_t e, const uint32_t* w, int64_t n) { std::copy(w, w + n, o + (e - offset)); });
+  words_cpu<kChachaWordRun>(out, offset, [&](uint64_t run, uint32_t* w) { chacha_run(run * kBatch, k, w); });
 }
 
 void chacha20_gaussian_fill_cpu(at::Tensor& out, double std, at::IntArrayRef key, int64_t step,
