@@ -3,7 +3,6 @@
 // the Box-Muller transform in SIMD.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>

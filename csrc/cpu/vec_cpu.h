@@ -17,7 +17,8 @@
 // a call.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
