@@ -93,7 +93,7 @@ int main() {
   static_assert(kCommonRun % cpu::kRun == 0 && kCommonRun % cpu::kChachaNormalRun == 0);
   const int64_t n = 4500000 / kCommonRun * kCommonRun;
   std::vector<float> z(n);
-  const NoiseKey key = make_key(123, 1, 0);
+  const cpu::PhiloxKeySchedule key(make_key(123, 1, 0));
   const double normals = best_seconds([&] {
     for (int64_t run = 0; run < n / cpu::kRun; ++run)
       cpu::normal_run(run * cpu::kBatch, key, z.data() + run * cpu::kRun);

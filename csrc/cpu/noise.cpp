@@ -76,7 +76,7 @@ void normals_cpu(at::TensorList tensors, int64_t offset, const Gen& gen, const S
 // out[i] (+)= std * z(offset + i) for each tensor, offsets running across the list.
 void gaussian_cpu(at::TensorList tensors, double std, int64_t seed, int64_t step, int64_t stream,
                   int64_t offset, bool accumulate) {
-  const NoiseKey key = make_key(seed, step, stream);
+  const PhiloxKeySchedule key(make_key(seed, step, stream));
   const float s = static_cast<float>(std);
   normals_cpu<float, kRun>(
       tensors, offset, [&](uint64_t run, float* z) { normal_run(run * kBatch, key, z); },
@@ -108,7 +108,7 @@ void chacha20_gaussian_cpu(at::TensorList tensors, double std, at::IntArrayRef k
 }  // namespace
 
 void philox_uint32_cpu(at::Tensor& out, int64_t seed, int64_t step, int64_t stream, int64_t offset) {
-  const NoiseKey key = make_key(seed, step, stream);
+  const PhiloxKeySchedule key(make_key(seed, step, stream));
   words_cpu<kRun>(out, offset, [&](uint64_t run, uint32_t* w) { philox_run(run * kBatch, key, w); });
 }
 

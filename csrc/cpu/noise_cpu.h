@@ -21,8 +21,14 @@ namespace cpu {
 
 // One U32Vec holds one Philox or ChaCha20 word of kBatch consecutive blocks (lane-major), so
 // counters are built, rounds run and words converted to uniforms without transposes; only the
-// final values are put in element order. Three builds of the same operations (kBatch blocks per run, in
-// kParts vectors VF of kBatch / kParts lanes each):
+// final values are put in element order. Philox's rounds run on another layout of the same
+// lanes, kSlots registers of Slot per word: each word in the low half of a 64-bit lane, the
+// high half don't-care. vpmuludq then gives a whole product in place, lo where it is and hi one
+// shift away, and the round keys are xored from a table built once per call (PhiloxKeySchedule):
+// 8 vector instructions a round per 4 blocks, where packed words took 10 (a shift to reach the
+// odd lanes, a shift and a blend each to pack hi and lo, and the keys' broadcasts); one shuffle a
+// word packs the result into a U32Vec (docs/BENCHMARKS.md, "Twelfth session"). Three builds of the same
+// operations (kBatch blocks per run, in kParts vectors VF of kBatch / kParts lanes each):
 //   AVX-512  16 blocks, one 16-lane vector;
 //   AVX2     16 blocks, two 8-lane vectors: two independent chains per word, which hide the
 //            multiplies' latency (Philox words 1.8x faster than 8 blocks);
@@ -52,13 +58,30 @@ struct U32Vec {
 
 inline U32Vec rotl32(U32Vec a, int n) { return {_mm512_rolv_epi32(a.v, _mm512_set1_epi32(n))}; }
 
-// 32x32 -> 64-bit products of the even and odd lanes (vpmuludq), split into high and low words.
-inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
-  const __m512i mv = _mm512_set1_epi32(static_cast<int>(m));
-  const __m512i even = _mm512_mul_epu32(a.v, mv);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a.v, 32), mv);
-  lo = {_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32))};
-  hi = {_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd)};
+// 8 blocks of one Philox word, in the low halves of 64-bit lanes.
+struct Slot {
+  __m512i v;
+  static Slot broadcast(uint32_t x) { return {_mm512_set1_epi32(static_cast<int>(x))}; }
+  friend Slot operator^(Slot a, Slot b) { return {_mm512_xor_si512(a.v, b.v)}; }
+};
+
+inline void mulhilo32(uint32_t m, Slot a, Slot& hi, Slot& lo) {
+  const __m512i p = _mm512_mul_epu32(a.v, _mm512_set1_epi32(static_cast<int>(m)));
+  lo = {p};
+  hi = {_mm512_srli_epi64(p, 32)};
+}
+
+// Slot register i of a run holds blocks 8i .. 8i + 7, and one vpermt2d packs the two.
+constexpr int kSlots = 2;
+inline Slot block_slot(uint32_t first, int i) {
+  const int o = 8 * i;
+  return {_mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int>(first)),
+      _mm512_setr_epi32(o, 0, o + 1, 0, o + 2, 0, o + 3, 0, o + 4, 0, o + 5, 0, o + 6, 0, o + 7, 0))};
+}
+inline U32Vec pack_slots(const Slot (&q)[kSlots]) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return {_mm512_permutex2var_epi32(q[0].v, even, q[1].v)};
 }
 
 using VF = float __attribute__((vector_size(64)));  // kBatch fp32 lanes, __m512 without may_alias
@@ -115,14 +138,6 @@ inline Lane8 rotl32(Lane8 a, int n) {
   return {_mm256_or_si256(_mm256_slli_epi32(a.v, n), _mm256_srli_epi32(a.v, 32 - n))};
 }
 
-inline void mulhilo32(uint32_t m, Lane8 a, Lane8& hi, Lane8& lo) {
-  const __m256i mv = _mm256_set1_epi32(static_cast<int>(m));
-  const __m256i even = _mm256_mul_epu32(a.v, mv);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a.v, 32), mv);
-  lo = {_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0b10101010)};
-  hi = {_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0b10101010)};
-}
-
 // Two 8-lane registers per Philox or ChaCha20 word, so every operation is two independent
 // instructions, which hides the latency of the chains that one register's worth of work leaves
 // exposed (ChaCha20 too, although its 32 live registers then spill: word pairs 1.07x faster than
@@ -142,8 +157,36 @@ struct U32Vec {
 
 inline U32Vec rotl32(U32Vec a, int n) { return {{rotl32(a.h[0], n), rotl32(a.h[1], n)}}; }
 
-inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
-  for (int i = 0; i < 2; ++i) mulhilo32(m, a.h[i], hi.h[i], lo.h[i]);
+// 4 blocks of one Philox word, in the low halves of 64-bit lanes.
+struct Slot {
+  __m256i v;
+  static Slot broadcast(uint32_t x) { return {_mm256_set1_epi32(static_cast<int>(x))}; }
+  friend Slot operator^(Slot a, Slot b) { return {_mm256_xor_si256(a.v, b.v)}; }
+};
+
+inline void mulhilo32(uint32_t m, Slot a, Slot& hi, Slot& lo) {
+  const __m256i p = _mm256_mul_epu32(a.v, _mm256_set1_epi32(static_cast<int>(m)));
+  lo = {p};
+  hi = {_mm256_srli_epi64(p, 32)};
+}
+
+// Slot registers 2h and 2h + 1 of a run hold blocks 8h + (0, 1, 4, 5) and 8h + (2, 3, 6, 7), so
+// that one vshufps of the pair (within 128-bit lanes) puts half h in block order. The 16 registers
+// of a run's four words leave no room for the constants, so some state spills; its xors then take
+// memory operands (load ports, not vector ALU ports).
+constexpr int kSlots = 4;
+inline Slot block_slot(uint32_t first, int i) {
+  const int o = 8 * (i / 2) + 2 * (i % 2);
+  return {_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)),
+                           _mm256_setr_epi32(o, 0, o + 1, 0, o + 4, 0, o + 5, 0))};
+}
+inline U32Vec pack_slots(const Slot (&q)[kSlots]) {
+  U32Vec w;
+  for (int h = 0; h < 2; ++h) {
+    w.h[h] = {_mm256_castps_si256(
+        _mm256_shuffle_ps(_mm256_castsi256_ps(q[2 * h].v), _mm256_castsi256_ps(q[2 * h + 1].v), 0x88))};
+  }
+  return w;
 }
 
 // The Box-Muller runs on the native 8-lane vectors, one per half of a word (kParts = 2).
@@ -201,8 +244,35 @@ inline U32Vec rotl32(U32Vec a, int n) {
   return a;
 }
 
-inline void mulhilo32(uint32_t m, U32Vec a, U32Vec& hi, U32Vec& lo) {
+// The kBatch blocks of one Philox word, plain 32-bit lanes (the compiler vectorises the scalar
+// mulhilo32).
+struct Slot {
+  uint32_t v[kBatch];
+  static Slot broadcast(uint32_t x) {
+    Slot r;
+    std::fill(r.v, r.v + kBatch, x);
+    return r;
+  }
+  friend Slot operator^(Slot a, const Slot& b) {
+    for (int i = 0; i < kBatch; ++i) a.v[i] ^= b.v[i];
+    return a;
+  }
+};
+
+inline void mulhilo32(uint32_t m, const Slot& a, Slot& hi, Slot& lo) {
   for (int i = 0; i < kBatch; ++i) dpkernels::mulhilo32(m, a.v[i], hi.v[i], lo.v[i]);
+}
+
+constexpr int kSlots = 1;
+inline Slot block_slot(uint32_t first, int) {
+  Slot r;
+  for (int i = 0; i < kBatch; ++i) r.v[i] = first + static_cast<uint32_t>(i);
+  return r;
+}
+inline U32Vec pack_slots(const Slot (&q)[kSlots]) {
+  U32Vec w;
+  std::copy(q[0].v, q[0].v + kBatch, w.v);
+  return w;
 }
 
 // 16-byte vectors, the width every SIMD baseline has (SSE2, NEON): wider generic vectors would
@@ -369,20 +439,61 @@ inline void box_muller_lanes(const U32Vec w[4], float* z) {
 
 constexpr int64_t kRun = 4 * kBatch;  // elements per run
 
+// One Philox word of a run's kBatch blocks, in kSlots Slot registers (the operations philox.h's
+// philox_round needs).
+struct PhiloxVec {
+  Slot q[kSlots];
+  static PhiloxVec broadcast(uint32_t x) {
+    PhiloxVec r;
+    std::fill(r.q, r.q + kSlots, Slot::broadcast(x));
+    return r;
+  }
+  friend PhiloxVec operator^(PhiloxVec a, const PhiloxVec& b) {
+    for (int i = 0; i < kSlots; ++i) a.q[i] = a.q[i] ^ b.q[i];
+    return a;
+  }
+  friend PhiloxVec operator^(PhiloxVec a, const Slot& key) {
+    for (int i = 0; i < kSlots; ++i) a.q[i] = a.q[i] ^ key;
+    return a;
+  }
+};
+
+inline void mulhilo32(uint32_t m, const PhiloxVec& a, PhiloxVec& hi, PhiloxVec& lo) {
+  for (int i = 0; i < kSlots; ++i) mulhilo32(m, a.q[i], hi.q[i], lo.q[i]);
+}
+
+// A NoiseKey with its ten round keys in every lane, built once per call rather than once per round
+// of every run.
+struct PhiloxKeySchedule {
+  Slot round[kPhiloxRounds][2];
+  uint32_t step, stream;
+  explicit PhiloxKeySchedule(const NoiseKey& key) : step(key.step), stream(key.stream) {
+    // One key word at a time: with both stored in one loop, GCC 12.2 -O3 gave round[r][1] the
+    // value of round[r][0] on the portable path (plain arrays).
+    for (int j = 0; j < 2; ++j) {
+      uint32_t k = static_cast<uint32_t>(key.seed >> (32 * j));
+      for (int r = 0; r < kPhiloxRounds; ++r, k += j == 0 ? kPhiloxW0 : kPhiloxW1)
+        round[r][j] = Slot::broadcast(k);
+    }
+  }
+};
+
 // philox4x32_10() of the kBatch blocks starting at `block`, lane-major: w[j] holds word j. block
 // is a multiple of kBatch (runs are aligned), so the counter's low word never carries.
-inline void philox_lanes(uint64_t block, const NoiseKey& key, U32Vec w[4]) {
-  w[0] = U32Vec::iota(static_cast<uint32_t>(block));
-  w[1] = U32Vec::broadcast(static_cast<uint32_t>(block >> 32));
-  w[2] = U32Vec::broadcast(key.step);
-  w[3] = U32Vec::broadcast(key.stream);
-  uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-  for (int r = 0; r < kPhiloxRounds; ++r, k0 += kPhiloxW0, k1 += kPhiloxW1)
-    philox_round(w[0], w[1], w[2], w[3], k0, k1);
+inline void philox_lanes(uint64_t block, const PhiloxKeySchedule& key, U32Vec w[4]) {
+  PhiloxVec c[4] = {{},
+                    PhiloxVec::broadcast(static_cast<uint32_t>(block >> 32)),
+                    PhiloxVec::broadcast(key.step),
+                    PhiloxVec::broadcast(key.stream)};
+  for (int i = 0; i < kSlots; ++i) c[0].q[i] = block_slot(static_cast<uint32_t>(block), i);
+#pragma GCC unroll 10
+  for (int r = 0; r < kPhiloxRounds; ++r)
+    philox_round(c[0], c[1], c[2], c[3], key.round[r][0], key.round[r][1]);
+  for (int j = 0; j < 4; ++j) w[j] = pack_slots(c[j].q);
 }
 
 // Words of kBatch consecutive blocks starting at `block`, element order (4 words per block).
-inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
+inline void philox_run(uint64_t block, const PhiloxKeySchedule& key, uint32_t* words) {
   U32Vec w[4];
   philox_lanes(block, key, w);
   alignas(64) uint32_t lanes[4][kBatch];
@@ -393,14 +504,15 @@ inline void philox_run(uint64_t block, const NoiseKey& key, uint32_t* words) {
 }
 
 // Standard normals of kBatch consecutive blocks, element order.
-inline void normal_run(uint64_t block, const NoiseKey& key, float* z) {
+inline void normal_run(uint64_t block, const PhiloxKeySchedule& key, float* z) {
   U32Vec w[4];
   philox_lanes(block, key, w);
   box_muller_lanes(w, z);
 }
 
 // out[i] = z(e0 + i) for i < n: standard normals of an arbitrary element range.
-inline void normals(int64_t e0, int64_t n, const NoiseKey& key, float* out) {
+inline void normals(int64_t e0, int64_t n, const NoiseKey& noise_key, float* out) {
+  const PhiloxKeySchedule key(noise_key);
   alignas(64) float z[kRun];
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t run = e / kRun, lo = e - run * kRun, take = std::min(kRun - lo, e0 + n - e);

@@ -26,9 +26,10 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
 
 // One Philox round on counter (c0..c3) with round key (k0, k1). T is uint32_t, or a SIMD lane
-// type that provides mulhilo32(uint32_t, T, T&, T&) and operator^ (the CPU kernels' U32Vec).
-template <typename T>
-DPK_HOST_DEVICE inline void philox_round(T& c0, T& c1, T& c2, T& c3, uint32_t k0, uint32_t k1) {
+// type that provides mulhilo32(uint32_t, T, T&, T&) and operator^ with T and with K, the key in
+// every lane (the CPU kernels' PhiloxVec and Slot).
+template <typename T, typename K>
+DPK_HOST_DEVICE inline void philox_round(T& c0, T& c1, T& c2, T& c3, const K& k0, const K& k1) {
   T hi0, lo0, hi1, lo1;
   mulhilo32(kPhiloxM0, c0, hi0, lo0);
   mulhilo32(kPhiloxM1, c2, hi1, lo1);
@@ -101,12 +102,13 @@ struct ScalarLanes {
 template <typename Lanes, typename F = typename Lanes::F>
 DPK_HOST_DEVICE inline F log_open01(F u) {
   using I = typename Lanes::I;
-  const I bits = Lanes::bits(u), mant = bits & 0x007FFFFF;
-  // big = 1 where 1.mant > 1.41421356f (0x3FB504F3), i.e. mant >= 0x3504F4, else 0: then m / 2
-  // (the exponent lowered, exact) and k + 1. Integer adds and shifts, no compare and select.
-  const I big = (mant + (0x00800000 - 0x003504F4)) >> 23;
-  const F m = Lanes::from_bits((mant | 0x3F800000) - (big << 23));  // [sqrt(1/2), sqrt(2))
-  const F k = Lanes::to_float((bits >> 23) - 127 + big);
+  // u's bits less those of sqrt(1/2) rounded up (0x3F3504F4): the exponent field is k, and the
+  // mantissa field plus 0x3F3504F4 gives m = 1.mant, or 1.mant / 2 where 1.mant > sqrt(2) rounded
+  // (mant >= 0x3504F4). d >> 23 is an arithmetic shift, so k < 0 comes out right. Integer adds, one
+  // shift, no compare and select.
+  const I d = Lanes::bits(u) - 0x3F3504F4;
+  const F m = Lanes::from_bits((d & 0x007FFFFF) + 0x3F3504F4);  // [sqrt(1/2), sqrt(2))
+  const F k = Lanes::to_float(d >> 23);
   const F f = m - 1.0f, f2 = f * f;
   F p = Lanes::splat(7.0376836292e-2f);
   for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
@@ -141,11 +143,13 @@ DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
                  x2, Lanes::splat(4.166664568298827e-2f));
   const F cs = Lanes::fma(pc * x2, x2, Lanes::fma(Lanes::splat(-0.5f), x2, Lanes::splat(1.0f)));
   // Quadrant j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c); the negations as sign-bit
-  // flips ((j + 1) & 2 and j & 2, moved to bit 31), the same bits as -x without a select.
+  // flips, the same bits as -x without a select: bit 1 of j + 1 and of j, from q = j << 30 (bits 1
+  // and 0 of j in bits 31 and 30).
+  const I q = j << 30;
   const auto swap = (j & 1) != 0;
   const F c = Lanes::select(swap, sn, cs), s = Lanes::select(swap, cs, sn);
-  cos_out = Lanes::from_bits(Lanes::bits(c) ^ (((j + 1) & 2) << 30));
-  sin_out = Lanes::from_bits(Lanes::bits(s) ^ ((j & 2) << 30));
+  cos_out = Lanes::from_bits(Lanes::bits(c) ^ ((q + (1 << 30)) & INT32_MIN));
+  sin_out = Lanes::from_bits(Lanes::bits(s) ^ (q & INT32_MIN));
 }
 
 // Box-Muller on one word pair: z_first = r cos(2 pi u_b), z_second = r sin(2 pi u_b),
