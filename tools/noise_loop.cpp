@@ -1,5 +1,6 @@
 // The CPU generators in a loop on one core, without the op around them (no allocation, threads or
-// dispatch): ns per normal of Philox + Box-Muller (normal_run), ns per pair of ChaCha20 words
+// dispatch): ns per normal of Philox + Box-Muller (normal_run, and cpu::normals in the 512-element
+// calls of the fused passes, which then write the same normals), ns per pair of ChaCha20 words
 // (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
 // best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
 // On the AVX2 and AVX-512 paths also the largest errors of the float64 transform's log_unit and
@@ -98,6 +99,11 @@ int main() {
     for (int64_t run = 0; run < n / cpu::kRun; ++run)
       cpu::normal_run(run * cpu::kBatch, key, z.data() + run * cpu::kRun);
   });
+  // The same normals through cpu::normals in 512-element calls, as the fused passes make them.
+  const double chunked = best_seconds([&] {
+    for (int64_t e = 0; e < n; e += 512)
+      cpu::normals(e, std::min<int64_t>(512, n - e), make_key(123, 1, 0), z.data() + e);
+  });
   std::vector<uint32_t> words(2 * n / cpu::kChachaWordRun * cpu::kChachaWordRun);
   const ChachaKey ckey{{1, 2, 3, 4, 5, 6, 7, 8}, 1, 0};
   const double chacha = best_seconds([&] {
@@ -110,8 +116,10 @@ int main() {
       cpu::chacha_normal_run(run * cpu::kBatch, ckey, zd.data() + run * cpu::kChachaNormalRun);
   });
   std::printf(
-      "philox normal %.3f ns  chacha20 word pair %.3f ns  chacha20 normal %.3f ns  hashes %016llx %016llx\n",
-      normals / n * 1e9, chacha / words.size() * 2e9, chacha_normals / zd.size() * 1e9,
+      "philox normal %.3f ns (in 512-element calls %.3f ns)  chacha20 word pair %.3f ns  chacha20 normal "
+      "%.3f "
+      "ns  hashes %016llx %016llx\n",
+      normals / n * 1e9, chunked / n * 1e9, chacha / words.size() * 2e9, chacha_normals / zd.size() * 1e9,
       static_cast<unsigned long long>(fnv1a(z)), static_cast<unsigned long long>(fnv1a(zd)));
 #if defined(__AVX2__)
   print_transform_errors();
