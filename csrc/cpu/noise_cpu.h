@@ -513,7 +513,7 @@ inline void normal_run(uint64_t block, const PhiloxKeySchedule& key, float* z) {
 // out[i] = z(e0 + i) for i < n: standard normals of an arbitrary element range. Whole runs are
 // written in place; only a partial run at either end goes through a buffer. (Copying every run out
 // of one cost the AVX2 path a fifth of its time, per 512-element call as the fused passes make
-// them: 1.55-1.59 against 1.23 ns a normal, AVX-512 1.06-1.09 against 1.03-1.05; docs/BENCHMARKS.md.)
+// them: 1.55-1.60 against 1.23 ns a normal, AVX-512 1.06-1.12 against 1.03-1.05; docs/BENCHMARKS.md.)
 inline void normals(int64_t e0, int64_t n, const NoiseKey& noise_key, float* out) {
   const PhiloxKeySchedule key(noise_key);
   alignas(64) float z[kRun];
