@@ -31,7 +31,7 @@ namespace cpu {
 // operations (kBatch blocks per run, in kParts vectors VF of kBatch / kParts lanes each):
 //   AVX-512  16 blocks, one 16-lane vector;
 //   AVX2     16 blocks, two 8-lane vectors: two independent chains per word, which hide the
-//            multiplies' latency (Philox words 1.8x faster than 8 blocks);
+//            latency of ChaCha20's rounds (Philox's run on four Slot registers a word);
 //   portable 8 blocks in plain arrays, 16-byte vectors (the width every SIMD baseline has).
 // Philox's Box-Muller is written once below on GCC vector types, kChains VF registers at a time
 // (Chains). All three give the same words and the same Philox normals, bit for bit (every fused
@@ -50,9 +50,6 @@ struct U32Vec {
   }
   void store(uint32_t* p) const { _mm512_storeu_si512(p, v); }
   friend U32Vec operator^(U32Vec a, U32Vec b) { return {_mm512_xor_si512(a.v, b.v)}; }
-  friend U32Vec operator^(U32Vec a, uint32_t k) {
-    return {_mm512_xor_si512(a.v, _mm512_set1_epi32(static_cast<int>(k)))};
-  }
   friend U32Vec operator+(U32Vec a, U32Vec b) { return {_mm512_add_epi32(a.v, b.v)}; }
 };
 
@@ -121,7 +118,6 @@ struct Lane8 {
   }
   void store(uint32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   friend Lane8 operator^(Lane8 a, Lane8 b) { return {_mm256_xor_si256(a.v, b.v)}; }
-  friend Lane8 operator^(Lane8 a, uint32_t k) { return a ^ broadcast(k); }
   friend Lane8 operator+(Lane8 a, Lane8 b) { return {_mm256_add_epi32(a.v, b.v)}; }
 };
 
@@ -138,9 +134,9 @@ inline Lane8 rotl32(Lane8 a, int n) {
   return {_mm256_or_si256(_mm256_slli_epi32(a.v, n), _mm256_srli_epi32(a.v, 32 - n))};
 }
 
-// Two 8-lane registers per Philox or ChaCha20 word, so every operation is two independent
+// Two 8-lane registers per ChaCha20 (or packed Philox) word, so every operation is two independent
 // instructions, which hides the latency of the chains that one register's worth of work leaves
-// exposed (ChaCha20 too, although its 32 live registers then spill: word pairs 1.07x faster than
+// exposed (although ChaCha20's 32 live registers then spill: word pairs 1.07x faster than
 // with one half after the other, docs/BENCHMARKS.md).
 struct U32Vec {
   Lane8 h[2];
@@ -151,7 +147,6 @@ struct U32Vec {
     h[1].store(p + 8);
   }
   friend U32Vec operator^(U32Vec a, U32Vec b) { return {{a.h[0] ^ b.h[0], a.h[1] ^ b.h[1]}}; }
-  friend U32Vec operator^(U32Vec a, uint32_t k) { return {{a.h[0] ^ k, a.h[1] ^ k}}; }
   friend U32Vec operator+(U32Vec a, U32Vec b) { return {{a.h[0] + b.h[0], a.h[1] + b.h[1]}}; }
 };
 
@@ -227,10 +222,6 @@ struct U32Vec {
   void store(uint32_t* p) const { std::copy(v, v + kBatch, p); }
   friend U32Vec operator^(U32Vec a, U32Vec b) {
     for (int i = 0; i < kBatch; ++i) a.v[i] ^= b.v[i];
-    return a;
-  }
-  friend U32Vec operator^(U32Vec a, uint32_t k) {
-    for (int i = 0; i < kBatch; ++i) a.v[i] ^= k;
     return a;
   }
   friend U32Vec operator+(U32Vec a, U32Vec b) {

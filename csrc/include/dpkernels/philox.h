@@ -104,8 +104,8 @@ DPK_HOST_DEVICE inline F log_open01(F u) {
   using I = typename Lanes::I;
   // u's bits less those of sqrt(1/2) rounded up (0x3F3504F4): the exponent field is k, and the
   // mantissa field plus 0x3F3504F4 gives m = 1.mant, or 1.mant / 2 where 1.mant > sqrt(2) rounded
-  // (mant >= 0x3504F4). d >> 23 is an arithmetic shift, so k < 0 comes out right. Integer adds, one
-  // shift, no compare and select.
+  // (mant >= 0x3504F4). d >> 23 is an arithmetic shift, so k < 0 comes out right. One shift, no
+  // compare and select.
   const I d = Lanes::bits(u) - 0x3F3504F4;
   const F m = Lanes::from_bits((d & 0x007FFFFF) + 0x3F3504F4);  // [sqrt(1/2), sqrt(2))
   const F k = Lanes::to_float(d >> 23);
