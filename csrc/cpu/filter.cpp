@@ -46,9 +46,15 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
       const scalar_t* in = inputs.empty() ? nullptr : inputs[l].const_data_ptr<scalar_t>();
       scalar_t* o = out.empty() ? nullptr : out[l].data_ptr<scalar_t>();
       alignas(64) float x[kChunk];
+      const auto request = [&](int64_t i0, int64_t m, int64_t part, int64_t parts) {
+        if (in != nullptr) cpu::prefetch(in + i0, m, part, parts);
+        if (o != nullptr) cpu::prefetch(o + i0, m, part, parts);
+        bufs.prefetch(l, i0, m, part, parts);
+      };
+      const cpu::ChunkPrefetch prefetch(task, request);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         if (noise) {
-          cpu::normals(e0, m, key, x);
+          cpu::normals(e0, m, key, x, prefetch.at(i0, m));
           for (int64_t i = 0; i < m; ++i) x[i] = s * x[i];
           if (in != nullptr) {
             for (int64_t i = 0; i < m; ++i) x[i] = static_cast<float>(in[i0 + i]) + x[i];

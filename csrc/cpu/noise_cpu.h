@@ -501,14 +501,23 @@ inline void normal_run(uint64_t block, const PhiloxKeySchedule& key, float* z) {
   box_muller_lanes(w, z);
 }
 
+struct NothingBetweenRuns {
+  void operator()(int64_t, int64_t) const {}
+};
+
 // out[i] = z(e0 + i) for i < n: standard normals of an arbitrary element range. Whole runs are
 // written in place; only a partial run at either end goes through a buffer. (Copying every run out
 // of one cost the AVX2 path a fifth of its time, per 512-element call as the fused passes make
 // them: 1.55-1.60 against 1.23 ns a normal, AVX-512 1.06-1.12 against 1.03-1.05; docs/BENCHMARKS.md.)
-inline void normals(int64_t e0, int64_t n, const NoiseKey& noise_key, float* out) {
+// between(r, runs) is called after the r-th of the call's `runs` runs: the streaming passes spread
+// their next chunk's prefetches over the generator with it (cpu::ChunkPrefetch).
+template <typename Between = NothingBetweenRuns>
+inline void normals(int64_t e0, int64_t n, const NoiseKey& noise_key, float* out,
+                    const Between& between = {}) {
   const PhiloxKeySchedule key(noise_key);
   alignas(64) float z[kRun];
-  for (int64_t e = e0; e < e0 + n;) {
+  const int64_t runs = n > 0 ? (e0 + n - 1) / kRun - e0 / kRun + 1 : 0;
+  for (int64_t e = e0, r = 0; e < e0 + n; between(r++, runs)) {
     const int64_t run = e / kRun, lo = e - run * kRun, take = std::min(kRun - lo, e0 + n - e);
     if (take == kRun) {
       normal_run(static_cast<uint64_t>(run) * kBatch, key, out + (e - e0));

@@ -52,13 +52,21 @@ class StepNoise {
   }
 
   // ν of elements [i0, i0 + m) of tensor l (global index e0); `scratch` holds kChunk floats.
-  const float* chunk(int64_t l, int64_t i0, int64_t m, int64_t e0, float* scratch) const {
+  // between(r, runs) runs between the generator's runs (cpu::normals), when it runs.
+  template <typename Between>
+  const float* chunk(int64_t l, int64_t i0, int64_t m, int64_t e0, float* scratch,
+                     const Between& between) const {
     if (lay_.given_noise) return given_[l] + i0;
     if (!lay_.generate) return kZeros;
-    cpu::normals(e0, m, key_, scratch);
+    cpu::normals(e0, m, key_, scratch, between);
     cpu::filter_chunk(lay_.noise_fc, scratch, scratch, m, bufs_, l, i0);
     for (int64_t i = 0; i < m; ++i) scratch[i] = std_ * scratch[i];
     return scratch;
+  }
+
+  // cpu::prefetch() of the noise filter's buffers at elements [i0, i0 + m) of tensor l.
+  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part, int64_t parts) const {
+    bufs_.prefetch(l, i0, m, part, parts);
   }
 
  private:
@@ -105,13 +113,15 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       alignas(64) float nu_buf[kChunk];
       alignas(64) float th_buf[kChunk];
       cpu::WideSum acc;
+      const auto request = [&](int64_t i0, int64_t m, int64_t part, int64_t parts) {
+        cpu::prefetch(p + i0, m, part, parts);
+        cpu::prefetch(S + i0, m, part, parts);
+        family.state.prefetch(l, i0, m, part, parts);
+        noise.prefetch(l, i0, m, part, parts);
+      };
+      const cpu::ChunkPrefetch prefetch(task, request);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
-        if constexpr (Family::kPrefetch) {
-          cpu::prefetch(p + i0, m);
-          cpu::prefetch(S + i0, m);
-          family.state.prefetch(l, i0, m);
-        }
-        const float* nu = noise.chunk(l, i0, m, e0, nu_buf);
+        const float* nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.at(i0, m));
         if (old != nullptr) std::copy(p + i0, p + i0 + m, old + i0);
         float* th = load_theta(p + i0, m, th_buf);
         family(l, i0, m, th, S + i0, nu, acc);
@@ -150,12 +160,7 @@ void sgd_apply_loop(const SgdHyper& h, int64_t m, float* __restrict th, const fl
   for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
 }
 
-// kPrefetch: request the chunk's θ, S and state lines before its noise is generated, so traffic
-// and Philox/Box-Muller overlap. Measured (dpkernels bench --sections step, D = 4.5 M): 12-16% faster
-// for the light sgd and dp2 passes, 4-8% slower for the Adam and MacAdam passes, whose element math
-// already overlaps the traffic; so only the former do it.
 struct SgdChunk {
-  static constexpr bool kPrefetch = true;
   SgdHyper hyper;
   const FilterCoeffs& dir;
   const cpu::BufferTable& state;
@@ -184,7 +189,6 @@ void dp2_loop(const Dp2Hyper& hyper, int64_t m, float* __restrict th, const floa
 
 template <Dp2Phase kPhase>
 struct Dp2Chunk {
-  static constexpr bool kPrefetch = true;
   Dp2Hyper hyper;
   const cpu::BufferTable& state;
 
@@ -211,7 +215,6 @@ void adam_loop(const AdamHyper& hyper, int64_t m, float* __restrict th, const fl
 
 template <AdamVariant kVariant>
 struct AdamChunk {
-  static constexpr bool kPrefetch = false;
   AdamHyper hyper;
   const cpu::BufferTable& state;
 
@@ -245,7 +248,6 @@ void macadam_loop(const MacAdamHyper& hyper, int64_t m, float* __restrict th, co
 
 template <MacAdamBC kBC>
 struct MacAdamChunk {
-  static constexpr bool kPrefetch = false;
   MacAdamHyper hyper;
   const cpu::BufferTable& state;
 

@@ -119,25 +119,59 @@ struct StreamPlan {
   }
 };
 
-// A buffer-major tensor list of fp32 buffers (list[k * L + l] is buffer k of tensor l), as the
-// ops take their state and noise buffers.
-// Requests the cache lines of x[0:m) before they are used (with intent to write), so that a
-// chunk's loads are in flight while its noise is computed instead of after it.
+// Requests the cache lines of x[0:m) before they are used, or only part `part` of `parts` equal
+// shares of those lines. The empty volatile asm is the side effect GCC does not see in
+// __builtin_prefetch: without it GCC 12 classes a function that only prefetches as const and
+// deletes the calls to it that it has not inlined yet (the passes' per-tensor state prefetch and
+// the callback they hand to cpu::normals were both gone from the binary).
 template <typename T>
-inline void prefetch(const T* x, int64_t m) {
-  const char* p = reinterpret_cast<const char*>(x);
-  for (int64_t b = 0; b < m * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 1, 3);
+inline void prefetch(const T* x, int64_t m, int64_t part = 0, int64_t parts = 1) {
+  if (m <= 0) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(x) / 64;
+  const int64_t lines = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x + m - 1) / 64 - first) + 1;
+  for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i) {
+    const char* line = reinterpret_cast<const char*>((first + i) * 64);
+    __builtin_prefetch(line, 1, 3);
+    asm volatile("" : : "r"(line));
+  }
 }
 
+// When a pass requests the lines of a task's chunks. The first chunk's are requested at once;
+// every later chunk's a share after each run of the previous chunk's noise (the `between`
+// callback of cpu::normals, which at(i0, m) returns), so that its traffic overlaps the generator.
+// Requested at once before a chunk's noise, the lines stall the generator until most of them have
+// arrived, and the two times add up (docs/BENCHMARKS.md). request(i0, m, part, parts) prefetches
+// part `part` of `parts` of elements [i0, i0 + m) of every array the pass streams.
+template <typename Request>
+class ChunkPrefetch {
+ public:
+  ChunkPrefetch(const StreamTask& task, const Request& request) : task_(task), request_(request) {}
+
+  auto at(int64_t i0, int64_t m) const {
+    if (i0 == task_.begin) request_(i0, m, 0, 1);
+    const int64_t next = i0 + m, next_m = std::min(kChunk, task_.end - next);
+    return [this, next, next_m](int64_t r, int64_t runs) {
+      if (next_m > 0) request_(next, next_m, r, runs);
+    };
+  }
+
+ private:
+  const StreamTask& task_;
+  const Request& request_;
+};
+
+// A buffer-major tensor list of fp32 buffers (list[k * L + l] is buffer k of tensor l), as the
+// ops take their state and noise buffers.
 class BufferTable {
  public:
   BufferTable(at::TensorList list, int64_t L) : L_(L) {
     for (const at::Tensor& t : list) ptr_.push_back(t.data_ptr<float>());
   }
   float* at(int64_t k, int64_t l) const { return ptr_[k * L_ + l]; }
-  // prefetch() of elements [i0, i0 + m) of every buffer of tensor l.
-  void prefetch(int64_t l, int64_t i0, int64_t m) const {
-    for (size_t k = 0; k * L_ < ptr_.size(); ++k) cpu::prefetch(at(static_cast<int64_t>(k), l) + i0, m);
+  // prefetch() of elements [i0, i0 + m) of every buffer of tensor l (or part of them).
+  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part = 0, int64_t parts = 1) const {
+    for (size_t k = 0; k * L_ < ptr_.size(); ++k)
+      cpu::prefetch(at(static_cast<int64_t>(k), l) + i0, m, part, parts);
   }
 
  private:
