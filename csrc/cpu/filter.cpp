@@ -64,7 +64,7 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
         } else {
           std::fill(x, x + m, 0.f);
         }
-        cpu::filter_chunk(lay.fc, x, x, m, bufs, l, i0);
+        cpu::filter_chunk(lay.fc, x, m, bufs, l, i0);
         if (o != nullptr) {
           scalar_t* oc = o + i0;
           for (int64_t i = 0; i < m; ++i) {

@@ -59,7 +59,7 @@ class StepNoise {
     if (lay_.given_noise) return given_[l] + i0;
     if (!lay_.generate) return kZeros;
     cpu::normals(e0, m, key_, scratch, between);
-    cpu::filter_chunk(lay_.noise_fc, scratch, scratch, m, bufs_, l, i0);
+    cpu::filter_chunk(lay_.noise_fc, scratch, m, bufs_, l, i0);
     for (int64_t i = 0; i < m; ++i) scratch[i] = std_ * scratch[i];
     return scratch;
   }
@@ -170,7 +170,7 @@ struct SgdChunk {
     const SgdHyper h = hyper;
     alignas(64) float d[kChunk];
     sgd_input_loop(h, m, th, S, nu, d);
-    cpu::filter_chunk(dir, d, d, m, state, l, i0);
+    cpu::filter_chunk(dir, d, m, state, l, i0);
     sgd_apply_loop(h, m, th, d);
   }
 };

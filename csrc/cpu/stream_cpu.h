@@ -179,17 +179,23 @@ class BufferTable {
   int64_t L_;
 };
 
-// y[0:m) = filter_step(fc, x[0:m)) on Vec lanes, with the fc.K buffers of tensor l read and
-// written in place at elements [i0, i0 + m). x and y may be the same array.
-inline void filter_chunk(const FilterCoeffs& fc, const float* x, float* y, int64_t m, const BufferTable& bufs,
-                         int64_t l, int64_t i0) {
+// x[0:m) = filter_step(fc, x[0:m)) on Vec lanes, in place, with the fc.K buffers of tensor l read
+// and written in place at elements [i0, i0 + m).
+inline void filter_chunk(const FilterCoeffs& fc, float* x, int64_t m, const BufferTable& bufs, int64_t l,
+                         int64_t i0) {
+  // No buffers and a = g = 1: y = 1 · (1 · x), which is x exactly. Plain DP-SGD's direction and
+  // noise filters are this identity, and evaluating it took a seventh of its pass.
+  if (fc.K == 0 && fc.a == 1.f && fc.g == 1.f) return;
+  // A local copy: the buffers' stores could alias fc's floats, so GCC reloaded and retested the
+  // coefficients on every vector (DPSGD with momentum 2-3% slower on both paths).
+  const FilterCoeffs c = fc;
   float* b[kMaxFilterBuffers];
-  for (int k = 0; k < fc.K; ++k) b[k] = bufs.at(k, l) + i0;
+  for (int k = 0; k < c.K; ++k) b[k] = bufs.at(k, l) + i0;
   for (int64_t i = 0; i < m; i += Vec::size()) {
     const int w = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
     const auto load = [&](int k) { return Vec::loadu(b[k] + i, w); };
     const auto store = [&](int k, Vec v) { v.store(b[k] + i, w); };
-    filter_step(fc, Vec::loadu(x + i, w), load, store).store(y + i, w);
+    filter_step(c, Vec::loadu(x + i, w), load, store).store(x + i, w);
   }
 }
 
