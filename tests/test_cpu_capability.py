@@ -9,7 +9,8 @@ CPU runs, or a lower one that ``DPKERNELS_CPU_CAPABILITY`` forces.
 - the CPU kernels widen fp16 and bf16 to fp32 exactly, for every bit pattern (F16C through ATen
   on AVX2/AVX-512, integer operations on the portable path: ``csrc/cpu/vec_cpu.h``);
 - no AVX-512 instruction outside ``_cpu_avx512`` and no AVX instruction outside ``_cpu_avx2`` and
-  ``_cpu_avx512`` (objdump of the built modules).
+  ``_cpu_avx512``, and the streaming passes' prefetches are in every module (objdump of the built
+  modules).
 
 The whole suite also runs with each lower path forced (Makefile ``test``).
 """
@@ -114,8 +115,9 @@ def test_16bit_values_widen_exactly(dtype):
     assert (want[~nan].abs() < 2.0**-14).sum() > 1000  # the subnormals (fp16) and tiny values are in
 
 
-def _objdump(path: Path) -> str:
-    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True).stdout
+def _objdump(path: Path, *flags: str) -> str:
+    cmd = ["objdump", "-d", "--no-show-raw-insn", *flags, str(path)]
+    return subprocess.run(cmd, capture_output=True, text=True).stdout
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
@@ -140,3 +142,25 @@ def test_no_wider_instructions_outside_their_module():
             hits = avx.findall(text)
             assert not hits, f"{path.name}: {len(hits)} AVX operands"
     assert avx512.search(_objdump(next(PKG.glob("_cpu_avx512.*.so"))))  # the check can see them
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+@pytest.mark.skipif(not list(PKG.glob("_cpu_default.*.so")), reason="x86-64 build only")
+@pytest.mark.parametrize("name", ["_cpu_default", "_cpu_avx2", "_cpu_avx512"])
+def test_streaming_passes_keep_their_prefetches(name):
+    """Every fused optimizer family, linear_filter_ and the Gaussian fill issue prefetches.
+
+    GCC 12 treats a function whose only effect is a prefetch as const and deletes the calls to it:
+    that silently removed the passes' state-buffer prefetch, and would remove the paced prefetch
+    that the Adam, MacAdam and filter passes depend on (docs/BENCHMARKS.md, thirteenth session).
+    cpu::prefetch guards against it; this reads the result in the machine code (a build from before
+    the guard has no prefetch in its Adam, MacAdam, linear_filter_ and fill functions)."""
+    (path,) = PKG.glob(f"{name}.*.so")
+    with_prefetch, function = set(), None
+    for line in _objdump(path, "-C").splitlines():
+        if line.endswith(">:"):
+            function = line
+        elif "prefetch" in line and function is not None:
+            with_prefetch.add(function)
+    for family in ("SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk", "linear_filter_cpu", "gaussian_cpu"):
+        assert any(family in f for f in with_prefetch), f"{path.name}: no prefetch in any {family} function"
