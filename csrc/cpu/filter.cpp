@@ -54,7 +54,7 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
       const cpu::ChunkPrefetch prefetch(task, request);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         if (noise) {
-          cpu::normals(e0, m, key, x, prefetch.at(i0, m));
+          cpu::normals(e0, m, key, x, prefetch.begin_chunk(i0, m));
           for (int64_t i = 0; i < m; ++i) x[i] = s * x[i];
           if (in != nullptr) {
             for (int64_t i = 0; i < m; ++i) x[i] = static_cast<float>(in[i0 + i]) + x[i];

@@ -121,7 +121,7 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       };
       const cpu::ChunkPrefetch prefetch(task, request);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
-        const float* nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.at(i0, m));
+        const float* nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.begin_chunk(i0, m));
         if (old != nullptr) std::copy(p + i0, p + i0 + m, old + i0);
         float* th = load_theta(p + i0, m, th_buf);
         family(l, i0, m, th, S + i0, nu, acc);

@@ -138,7 +138,8 @@ inline void prefetch(const T* x, int64_t m, int64_t part = 0, int64_t parts = 1)
 
 // When a pass requests the lines of a task's chunks. The first chunk's are requested at once;
 // every later chunk's a share after each run of the previous chunk's noise (the `between`
-// callback of cpu::normals, which at(i0, m) returns), so that its traffic overlaps the generator.
+// callback of cpu::normals, which begin_chunk(i0, m) returns), so that its traffic overlaps the
+// generator.
 // Requested at once before a chunk's noise, the lines stall the generator until most of them have
 // arrived, and the two times add up (docs/BENCHMARKS.md). request(i0, m, part, parts) prefetches
 // part `part` of `parts` of elements [i0, i0 + m) of every array the pass streams.
@@ -147,7 +148,9 @@ class ChunkPrefetch {
  public:
   ChunkPrefetch(const StreamTask& task, const Request& request) : task_(task), request_(request) {}
 
-  auto at(int64_t i0, int64_t m) const {
+  // Called as chunk [i0, i0 + m) starts: requests its lines if it is the task's first, and returns
+  // the callback that requests the next chunk's while this one's noise is generated.
+  auto begin_chunk(int64_t i0, int64_t m) const {
     if (i0 == task_.begin) request_(i0, m, 0, 1);
     const int64_t next = i0 + m, next_m = std::min(kChunk, task_.end - next);
     return [this, next, next_m](int64_t r, int64_t runs) {
@@ -168,8 +171,8 @@ class BufferTable {
     for (const at::Tensor& t : list) ptr_.push_back(t.data_ptr<float>());
   }
   float* at(int64_t k, int64_t l) const { return ptr_[k * L_ + l]; }
-  // prefetch() of elements [i0, i0 + m) of every buffer of tensor l (or part of them).
-  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part = 0, int64_t parts = 1) const {
+  // prefetch(x, m, part, parts) of elements [i0, i0 + m) of every buffer of tensor l.
+  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part, int64_t parts) const {
     for (size_t k = 0; k * L_ < ptr_.size(); ++k)
       cpu::prefetch(at(static_cast<int64_t>(k), l) + i0, m, part, parts);
   }
