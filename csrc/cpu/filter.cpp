@@ -55,9 +55,11 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         if (noise) {
           cpu::normals(e0, m, key, x, prefetch.begin_chunk(i0, m));
-          for (int64_t i = 0; i < m; ++i) x[i] = s * x[i];
+          // One loop, not a scaling loop and then an addition loop: a pass over the chunk less.
           if (in != nullptr) {
-            for (int64_t i = 0; i < m; ++i) x[i] = static_cast<float>(in[i0 + i]) + x[i];
+            for (int64_t i = 0; i < m; ++i) x[i] = static_cast<float>(in[i0 + i]) + s * x[i];
+          } else {
+            for (int64_t i = 0; i < m; ++i) x[i] = s * x[i];
           }
         } else if (in != nullptr) {
           for (int64_t i = 0; i < m; ++i) x[i] = static_cast<float>(in[i0 + i]);

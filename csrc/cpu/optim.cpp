@@ -42,6 +42,14 @@ using cpu::Vec;
 
 alignas(64) constexpr float kZeros[kChunk] = {};
 
+// ν of a chunk: ν[i] = scale · x[i]. The families apply the scale inside their own loop: a loop
+// of its own was one more walk over the chunk, 5-6% of the DPSGD pass on both paths
+// (docs/BENCHMARKS.md).
+struct ChunkNoise {
+  const float* x;
+  float scale;
+};
+
 // ν of one call: the pre-drawn tensors, noise_std · (noise filter of the Philox normals), or 0.
 class StepNoise {
  public:
@@ -54,14 +62,13 @@ class StepNoise {
   // ν of elements [i0, i0 + m) of tensor l (global index e0); `scratch` holds kChunk floats.
   // between(r, runs) runs between the generator's runs (cpu::normals), when it runs.
   template <typename Between>
-  const float* chunk(int64_t l, int64_t i0, int64_t m, int64_t e0, float* scratch,
-                     const Between& between) const {
-    if (lay_.given_noise) return given_[l] + i0;
-    if (!lay_.generate) return kZeros;
+  ChunkNoise chunk(int64_t l, int64_t i0, int64_t m, int64_t e0, float* scratch,
+                   const Between& between) const {
+    if (lay_.given_noise) return {given_[l] + i0, 1.f};
+    if (!lay_.generate) return {kZeros, 1.f};
     cpu::normals(e0, m, key_, scratch, between);
     cpu::filter_chunk(lay_.noise_fc, scratch, m, bufs_, l, i0);
-    for (int64_t i = 0; i < m; ++i) scratch[i] = std_ * scratch[i];
-    return scratch;
+    return {scratch, std_};
   }
 
   // cpu::prefetch() of the noise filter's buffers at elements [i0, i0 + m) of tensor l.
@@ -96,8 +103,8 @@ void store_theta(const float* th, scalar_t* p, int64_t m) {
 
 // The pass shared by the four ops. family(l, i0, m, th, S, nu, acc) runs the element math on
 // elements [i0, i0 + m) of parameter l: th is its fp32 θ (updated in place), S and nu its clipped
-// sum and noise, acc the task's fp64 lanes. `past` ([] or one tensor per parameter) receives the
-// old θ. Returns the sum of the tasks' partial sums, in task order.
+// sum and noise (ChunkNoise), acc the task's fp64 lanes. `past` ([] or one tensor per parameter)
+// receives the old θ. Returns the sum of the tasks' partial sums, in task order.
 template <typename Family>
 double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sums, at::TensorList past,
                 const StepNoise& noise, int64_t offset, const Family& family) {
@@ -121,7 +128,7 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       };
       const cpu::ChunkPrefetch prefetch(task, request);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
-        const float* nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.begin_chunk(i0, m));
+        const ChunkNoise nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.begin_chunk(i0, m));
         if (old != nullptr) std::copy(p + i0, p + i0 + m, old + i0);
         float* th = load_theta(p + i0, m, th_buf);
         family(l, i0, m, th, S + i0, nu, acc);
@@ -152,12 +159,18 @@ double with_enum(int v, const F& fn) {
 // ---------------------------------------------------------------------------------------------
 
 void sgd_input_loop(const SgdHyper& h, int64_t m, const float* __restrict th, const float* __restrict S,
-                    const float* __restrict nu, float* __restrict x) {
-  for (int64_t i = 0; i < m; ++i) x[i] = sgd_input(h, S[i], nu[i], th[i]);
+                    const float* __restrict nu, float s, float* __restrict x) {
+  for (int64_t i = 0; i < m; ++i) x[i] = sgd_input(h, S[i], s * nu[i], th[i]);
 }
 
 void sgd_apply_loop(const SgdHyper& h, int64_t m, float* __restrict th, const float* __restrict d) {
   for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
+}
+
+// Both in one loop, when the direction filter between them is the identity.
+void sgd_loop(const SgdHyper& h, int64_t m, float* __restrict th, const float* __restrict S,
+              const float* __restrict nu, float s) {
+  for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], sgd_input(h, S[i], s * nu[i], th[i]));
 }
 
 struct SgdChunk {
@@ -165,11 +178,15 @@ struct SgdChunk {
   const FilterCoeffs& dir;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const ChunkNoise& nu,
                   cpu::WideSum&) const {
     const SgdHyper h = hyper;
+    if (cpu::is_identity(dir)) {
+      sgd_loop(h, m, th, S, nu.x, nu.scale);
+      return;
+    }
     alignas(64) float d[kChunk];
-    sgd_input_loop(h, m, th, S, nu, d);
+    sgd_input_loop(h, m, th, S, nu.x, nu.scale, d);
     cpu::filter_chunk(dir, d, m, state, l, i0);
     sgd_apply_loop(h, m, th, d);
   }
@@ -177,12 +194,12 @@ struct SgdChunk {
 
 template <Dp2Phase kPhase>
 void dp2_loop(const Dp2Hyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
-              const float* __restrict nu, float* __restrict G, const float* __restrict inv_d) {
+              const float* __restrict nu, float s, float* __restrict G, const float* __restrict inv_d) {
   Dp2Hyper h = hyper;
   h.phase = static_cast<int>(kPhase);
   for (int64_t i = 0; i < m; ++i) {
     float g = kPhase == Dp2Phase::kSgd ? G[i] : 0.f;
-    th[i] = dp2_step(h, S[i], nu[i], th[i], g, kPhase == Dp2Phase::kAdaptive ? inv_d[i] : 0.f);
+    th[i] = dp2_step(h, S[i], s * nu[i], th[i], g, kPhase == Dp2Phase::kAdaptive ? inv_d[i] : 0.f);
     if constexpr (kPhase == Dp2Phase::kSgd) G[i] = g;
   }
 }
@@ -192,21 +209,22 @@ struct Dp2Chunk {
   Dp2Hyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const ChunkNoise& nu,
                   cpu::WideSum&) const {
-    dp2_loop<kPhase>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0);
+    dp2_loop<kPhase>(hyper, m, th, S, nu.x, nu.scale, state.at(0, l) + i0, state.at(1, l) + i0);
   }
 };
 
 // so: STP's clip scale (unused by the other variants).
 template <AdamVariant kVariant>
 void adam_loop(const AdamHyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
-               const float* __restrict nu, float* __restrict mo, float* __restrict vo, float* __restrict so) {
+               const float* __restrict nu, float s, float* __restrict mo, float* __restrict vo,
+               float* __restrict so) {
   AdamHyper h = hyper;
   h.variant = static_cast<int>(kVariant);
   for (int64_t i = 0; i < m; ++i) {
     float mi = mo[i], vi = vo[i], scale = 0.f;
-    th[i] = adam_step(h, S[i], nu[i], th[i], mi, vi, scale);
+    th[i] = adam_step(h, S[i], s * nu[i], th[i], mi, vi, scale);
     mo[i] = mi;
     vo[i] = vi;
     if constexpr (kVariant == AdamVariant::kSTP) so[i] = scale;
@@ -218,24 +236,24 @@ struct AdamChunk {
   AdamHyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const ChunkNoise& nu,
                   cpu::WideSum&) const {
     float* so = kVariant == AdamVariant::kSTP ? state.at(2, l) + i0 : nullptr;
-    adam_loop<kVariant>(hyper, m, th, S, nu, state.at(0, l) + i0, state.at(1, l) + i0, so);
+    adam_loop<kVariant>(hyper, m, th, S, nu.x, nu.scale, state.at(0, l) + i0, state.at(1, l) + i0, so);
   }
 };
 
 // root[i]: √ŝ of element i (0 when the step does not update ŝ).
 template <MacAdamBC kBC>
 void macadam_loop(const MacAdamHyper& hyper, int64_t m, float* __restrict th, const float* __restrict S,
-                  const float* __restrict nu, float* __restrict mo, float* __restrict vo,
+                  const float* __restrict nu, float s, float* __restrict mo, float* __restrict vo,
                   float* __restrict so, float* __restrict bo, float* __restrict ibo, float* __restrict sho,
                   float* __restrict root) {
   MacAdamHyper h = hyper;
   h.bc = static_cast<int>(kBC);
   for (int64_t i = 0; i < m; ++i) {
     float mi = mo[i], vi = vo[i], si = so[i], bi = bo[i], ibi = ibo[i], shi = sho[i], r;
-    th[i] = macadam_step(h, S[i], nu[i], th[i], mi, vi, si, bi, ibi, shi, r);
+    th[i] = macadam_step(h, S[i], s * nu[i], th[i], mi, vi, si, bi, ibi, shi, r);
     mo[i] = mi;
     vo[i] = vi;
     so[i] = si;
@@ -251,11 +269,11 @@ struct MacAdamChunk {
   MacAdamHyper hyper;
   const cpu::BufferTable& state;
 
-  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const float* nu,
+  void operator()(int64_t l, int64_t i0, int64_t m, float* th, const float* S, const ChunkNoise& nu,
                   cpu::WideSum& acc) const {
     alignas(64) float root[kChunk];
     const auto buf = [&](int k) { return state.at(k, l) + i0; };
-    macadam_loop<kBC>(hyper, m, th, S, nu, buf(0), buf(1), buf(2), buf(3), buf(4), buf(5), root);
+    macadam_loop<kBC>(hyper, m, th, S, nu.x, nu.scale, buf(0), buf(1), buf(2), buf(3), buf(4), buf(5), root);
     acc.add(root, m);
   }
 };
