@@ -3,13 +3,14 @@
 //
 // Each op is one pass over its parameter list with the streaming skeleton of stream_cpu.h
 // (run_step below): per chunk of at most kChunk elements, ν is formed in a stack buffer (the
-// pre-drawn tensor is read in place; fresh Philox normals go through the noise filter and are
-// scaled by noise_std; nothing is generated when there is no noise), 16-bit parameters are
-// widened into an fp32 buffer, and the family's functor runs its element math from
-// optim_math.h over plain fp32 arrays, which GCC vectorises. The family's variant (Adam variant,
-// MacAdam bias correction, DP² phase) is a template parameter, so the hot loop holds no
-// per-element dispatch; the sgd family's direction filter runs on SIMD lanes
-// (cpu::filter_chunk), in place in the chunk's buffer.
+// pre-drawn tensor is read in place; fresh Philox normals go through the noise filter, and the
+// family's loop scales them by noise_std; nothing is generated when there is no noise), 16-bit
+// parameters are widened into an fp32 buffer, and the family's functor runs its element math
+// from optim_math.h over plain fp32 arrays, which GCC vectorises. The family's variant (Adam
+// variant, MacAdam bias correction, DP² phase) is a template parameter, so the hot loop holds no
+// per-element dispatch; the sgd family runs its input, direction filter and update on SIMD lanes
+// in one walk over the chunk (cpu::filter_vectors), or in one plain loop when the filter is the
+// identity.
 //
 // Products and sums are rounded separately, as in the reference (the build's -ffp-contract=off).
 // trapping-math is off here and math-errno in the whole build (setup.py) so that the loops with
@@ -153,19 +154,11 @@ double with_enum(int v, const F& fn) {
 
 // ---------------------------------------------------------------------------------------------
 // Families: the element math of one chunk, as loops over __restrict arrays (function parameters:
-// GCC honours restrict there, so the loops vectorise without run-time alias checks). The
+// GCC honours restrict there, so the loops vectorise without run-time alias checks; the sgd
+// family's filtered path runs on Vec lanes, as its filter does). The
 // hyper-parameters are a local copy, loop invariants to the compiler, with the variant field set
 // from the template argument so that its branches fold away.
 // ---------------------------------------------------------------------------------------------
-
-void sgd_input_loop(const SgdHyper& h, int64_t m, const float* __restrict th, const float* __restrict S,
-                    const float* __restrict nu, float s, float* __restrict x) {
-  for (int64_t i = 0; i < m; ++i) x[i] = sgd_input(h, S[i], s * nu[i], th[i]);
-}
-
-void sgd_apply_loop(const SgdHyper& h, int64_t m, float* __restrict th, const float* __restrict d) {
-  for (int64_t i = 0; i < m; ++i) th[i] = sgd_apply(h, th[i], d[i]);
-}
 
 // Both in one loop, when the direction filter between them is the identity.
 void sgd_loop(const SgdHyper& h, int64_t m, float* __restrict th, const float* __restrict S,
@@ -185,10 +178,13 @@ struct SgdChunk {
       sgd_loop(h, m, th, S, nu.x, nu.scale);
       return;
     }
-    alignas(64) float d[kChunk];
-    sgd_input_loop(h, m, th, S, nu.x, nu.scale, d);
-    cpu::filter_chunk(dir, d, m, state, l, i0);
-    sgd_apply_loop(h, m, th, d);
+    const Vec s(nu.scale);
+    cpu::filter_vectors(
+        dir, m, state, l, i0,
+        [&](int64_t i, int w) {
+          return sgd_input(h, Vec::loadu(S + i, w), s * Vec::loadu(nu.x + i, w), Vec::loadu(th + i, w));
+        },
+        [&](int64_t i, int w, Vec d) { sgd_apply(h, Vec::loadu(th + i, w), d).store(th + i, w); });
   }
 };
 

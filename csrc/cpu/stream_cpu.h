@@ -186,11 +186,13 @@ class BufferTable {
 // direction and noise filters are this identity, and evaluating it took a seventh of its pass.
 inline bool is_identity(const FilterCoeffs& fc) { return fc.K == 0 && fc.a == 1.f && fc.g == 1.f; }
 
-// x[0:m) = filter_step(fc, x[0:m)) on Vec lanes, in place, with the fc.K buffers of tensor l read
-// and written in place at elements [i0, i0 + m).
-inline void filter_chunk(const FilterCoeffs& fc, float* x, int64_t m, const BufferTable& bufs, int64_t l,
-                         int64_t i0) {
-  if (is_identity(fc)) return;
+// out(i, w, filter_step(fc, in(i, w))) for each Vec of elements [i, i + w) of [0, m), with the
+// fc.K buffers of tensor l read and written in place at elements [i0 + i, i0 + i + w). A pass
+// whose filter sits between element math of its own runs that math in `in` and `out`, in the
+// same walk over the chunk.
+template <typename In, typename Out>
+inline void filter_vectors(const FilterCoeffs& fc, int64_t m, const BufferTable& bufs, int64_t l, int64_t i0,
+                           const In& in, const Out& out) {
   // A local copy: the buffers' stores could alias fc's floats, so GCC reloaded and retested the
   // coefficients on every vector (DPSGD with momentum 2-3% slower on both paths).
   const FilterCoeffs c = fc;
@@ -200,8 +202,17 @@ inline void filter_chunk(const FilterCoeffs& fc, float* x, int64_t m, const Buff
     const int w = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
     const auto load = [&](int k) { return Vec::loadu(b[k] + i, w); };
     const auto store = [&](int k, Vec v) { v.store(b[k] + i, w); };
-    filter_step(c, Vec::loadu(x + i, w), load, store).store(x + i, w);
+    out(i, w, filter_step(c, in(i, w), load, store));
   }
+}
+
+// x[0:m) = filter_step(fc, x[0:m)) on Vec lanes, in place (filter_vectors).
+inline void filter_chunk(const FilterCoeffs& fc, float* x, int64_t m, const BufferTable& bufs, int64_t l,
+                         int64_t i0) {
+  if (is_identity(fc)) return;
+  filter_vectors(
+      fc, m, bufs, l, i0, [&](int64_t i, int w) { return Vec::loadu(x + i, w); },
+      [&](int64_t i, int w, Vec y) { y.store(x + i, w); });
 }
 
 // How a pass writes an output it does not read back. A pass that streams more bytes than the
