@@ -703,44 +703,51 @@ class DPOptimizer(torch.optim.Optimizer):
         k = self._num_grad_sets
         sets: list[list[Tensor]] = [[] for _ in range(k)]
         B = None
+
+        # The messages are formatted only when one is raised: formatting them for every parameter
+        # of every step cost 0.1 ms a step at 148 parameters (warm caches).
+        def what(idx: int) -> str:
+            return f"parameter {idx} (shape {tuple(params[idx].shape)})"
+
+        def name(idx: int, j: int) -> str:
+            return f"{what(idx)}: grad_sample" + (f"[{j}]" if self._grad_sample_is_list else "")
+
         for idx, p in enumerate(params):
             gs = getattr(p, "grad_sample", None)
-            what = f"parameter {idx} (shape {tuple(p.shape)})"
             if gs is None:
                 raise ValueError(
-                    f"{what} has no grad_sample; compute per-sample gradients (Opacus GradSampleModule, "
+                    f"{what(idx)} has no grad_sample; compute per-sample gradients (Opacus GradSampleModule, "
                     f"torch.func, or dpkernels.pmlf.pmlf_grad_samples) and set p.grad_sample before step()"
                 )
             if not self._grad_sample_is_list:
                 if not isinstance(gs, Tensor):
                     raise TypeError(
-                        f"{what}: grad_sample must be one tensor [B, *p.shape], got {type(gs).__name__}; "
+                        f"{what(idx)}: grad_sample must be one tensor [B, *p.shape], got {type(gs).__name__}; "
                         "concatenate micro-batches along dim 0 first"
                     )
                 gs = [gs]
             elif isinstance(gs, Tensor) or not isinstance(gs, Sequence) or len(gs) != k:
                 raise TypeError(
-                    f"{what}: grad_sample must be a list of k={k} tensors [B, *p.shape] (gradients at "
+                    f"{what(idx)}: grad_sample must be a list of k={k} tensors [B, *p.shape] (gradients at "
                     f"x_t, x_(t-1), ..., x_(t-k+1)), got {type(gs).__name__}"
                     + (f" of length {len(gs)}" if isinstance(gs, Sequence) and not isinstance(gs, Tensor) else "")
                 )
             for j, g in enumerate(gs):
-                name = f"{what}: grad_sample" + (f"[{j}]" if self._grad_sample_is_list else "")
                 if not isinstance(g, Tensor) or not g.is_floating_point():
-                    raise TypeError(f"{name} must be a floating-point tensor")
+                    raise TypeError(f"{name(idx, j)} must be a floating-point tensor")
                 if g.dim() != p.dim() + 1 or g.shape[1:] != p.shape:
-                    raise ValueError(f"{name} has shape {tuple(g.shape)}; expected [B, *{tuple(p.shape)}]")
+                    raise ValueError(f"{name(idx, j)} has shape {tuple(g.shape)}; expected [B, *{tuple(p.shape)}]")
                 if g.device != p.device:
-                    raise ValueError(f"{name} is on {g.device} but the parameter is on {p.device}")
+                    raise ValueError(f"{name(idx, j)} is on {g.device} but the parameter is on {p.device}")
                 if g.dtype == torch.float64 and p.dtype != torch.float64:
                     raise TypeError(
-                        f"{name} is float64 but the parameter is {p.dtype}; per-sample gradients are in the "
+                        f"{name(idx, j)} is float64 but the parameter is {p.dtype}; per-sample gradients are in the "
                         "parameter's precision (float64 ones only for float64 parameters)"
                     )
                 if B is None:
                     B = g.shape[0]
                 elif g.shape[0] != B:
-                    raise ValueError(f"{name} has batch size {g.shape[0]} but parameter 0 has {B}")
+                    raise ValueError(f"{name(idx, j)} has batch size {g.shape[0]} but parameter 0 has {B}")
                 sets[j].append(g)
         return sets
 
