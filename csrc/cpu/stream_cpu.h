@@ -10,8 +10,9 @@
 // global index, so a chunk's noise is whole Philox runs (cpu::normals wastes nothing) and its
 // fp32 temporaries (noise, filter input and output) live in small stack buffers that stay in L1.
 //
-// filter_chunk() runs filter.h's step on Vec lanes (vec_cpu.h); its callers compile it without FMA
-// contraction (see filter.cpp) so that products and sums round as in the reference.
+// filter_vectors() and filter_chunk() run filter.h's step on Vec lanes (vec_cpu.h); their callers
+// compile them without FMA contraction (see filter.cpp) so that products and sums round as in the
+// reference.
 #pragma once
 
 #include <ATen/Parallel.h>
