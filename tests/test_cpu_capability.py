@@ -153,15 +153,23 @@ def test_streaming_passes_keep_their_prefetches(name):
     GCC 12 treats a function whose only effect is a prefetch as const and deletes the calls to it:
     that silently removed the passes' state-buffer prefetch, and would remove the paced prefetch
     that the Adam, MacAdam and filter passes depend on (docs/BENCHMARKS.md, thirteenth session).
-    cpu::prefetch guards against it; this reads the result in the machine code (a build from before
-    the guard has no prefetch in its Adam, MacAdam, linear_filter_ and fill functions)."""
+    cpu::prefetch_line guards against it; this reads the result in the machine code (a build from
+    before the guard has no prefetch in its Adam, MacAdam, linear_filter_ and fill functions). A
+    function counts if it prefetches or calls one that does (GCC inlines cpu::ChunkLines::request
+    into some passes and not into others)."""
     (path,) = PKG.glob(f"{name}.*.so")
-    with_prefetch, function = set(), None
+    prefetches, calls, function = set(), {}, None
     for line in _objdump(path, "-C").splitlines():
         if line.endswith(">:"):
-            function = line
-        elif "prefetch" in line and function is not None:
-            with_prefetch.add(function)
+            function = line[line.index("<") + 1 : -2]
+            calls[function] = set()
+        elif function is None:
+            continue
+        elif "prefetch" in line:
+            prefetches.add(function)
+        elif (call := re.search(r"\bcall\s+\w+ <(.+)>$", line)) is not None:
+            calls[function].add(call.group(1))
+    with_prefetch = {f for f, callees in calls.items() if f in prefetches or callees & prefetches}
     for family in ("SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk", "linear_filter_cpu", "gaussian_cpu"):
         word = re.compile(rf"\b{family}\b")  # AdamChunk must not match MacAdamChunk
         assert any(word.search(f) for f in with_prefetch), f"{path.name}: no prefetch in any {family} function"

@@ -46,12 +46,12 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
       const scalar_t* in = inputs.empty() ? nullptr : inputs[l].const_data_ptr<scalar_t>();
       scalar_t* o = out.empty() ? nullptr : out[l].data_ptr<scalar_t>();
       alignas(64) float x[kChunk];
-      const auto request = [&](int64_t i0, int64_t m, int64_t part, int64_t parts) {
-        if (in != nullptr) cpu::prefetch(in + i0, m, part, parts);
-        if (o != nullptr) cpu::prefetch(o + i0, m, part, parts);
-        bufs.prefetch(l, i0, m, part, parts);
+      const auto arrays = [&](int64_t i0, int64_t m, cpu::ChunkLines& lines) {
+        if (in != nullptr) lines.add(in + i0, m);
+        if (o != nullptr) lines.add(o + i0, m);
+        bufs.add_lines(l, i0, m, lines);
       };
-      const cpu::ChunkPrefetch prefetch(task, request);
+      cpu::ChunkPrefetch prefetch(task, arrays);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         if (noise) {
           cpu::normals(e0, m, key, x, prefetch.begin_chunk(i0, m));

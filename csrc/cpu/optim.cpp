@@ -72,9 +72,9 @@ class StepNoise {
     return {scratch, std_};
   }
 
-  // cpu::prefetch() of the noise filter's buffers at elements [i0, i0 + m) of tensor l.
-  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part, int64_t parts) const {
-    bufs_.prefetch(l, i0, m, part, parts);
+  // Adds the noise filter's buffers at elements [i0, i0 + m) of tensor l to `lines`.
+  void add_lines(int64_t l, int64_t i0, int64_t m, cpu::ChunkLines& lines) const {
+    bufs_.add_lines(l, i0, m, lines);
   }
 
  private:
@@ -121,13 +121,13 @@ double run_step(const StepLayout& lay, at::TensorList params, at::TensorList sum
       alignas(64) float nu_buf[kChunk];
       alignas(64) float th_buf[kChunk];
       cpu::WideSum acc;
-      const auto request = [&](int64_t i0, int64_t m, int64_t part, int64_t parts) {
-        cpu::prefetch(p + i0, m, part, parts);
-        cpu::prefetch(S + i0, m, part, parts);
-        family.state.prefetch(l, i0, m, part, parts);
-        noise.prefetch(l, i0, m, part, parts);
+      const auto arrays = [&](int64_t i0, int64_t m, cpu::ChunkLines& lines) {
+        lines.add(p + i0, m);
+        lines.add(S + i0, m);
+        family.state.add_lines(l, i0, m, lines);
+        noise.add_lines(l, i0, m, lines);
       };
-      const cpu::ChunkPrefetch prefetch(task, request);
+      cpu::ChunkPrefetch prefetch(task, arrays);
       plan.chunks(task, [&](int64_t i0, int64_t m, int64_t e0) {
         const ChunkNoise nu = noise.chunk(l, i0, m, e0, nu_buf, prefetch.begin_chunk(i0, m));
         if (old != nullptr) std::copy(p + i0, p + i0 + m, old + i0);

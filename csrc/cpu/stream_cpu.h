@@ -120,48 +120,104 @@ struct StreamPlan {
   }
 };
 
-// Requests the cache lines of x[0:m) before they are used, or only part `part` of `parts` equal
-// shares of those lines. The empty volatile asm is the side effect GCC does not see in
-// __builtin_prefetch: without it GCC 12 classes a function that only prefetches as const and
-// deletes the calls to it that it has not inlined yet (the passes' per-tensor state prefetch and
-// the callback they hand to cpu::normals were both gone from the binary).
-template <typename T>
-inline void prefetch(const T* x, int64_t m, int64_t part = 0, int64_t parts = 1) {
-  if (m <= 0) return;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(x) / 64;
-  const int64_t lines = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x + m - 1) / 64 - first) + 1;
-  for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i) {
-    const char* line = reinterpret_cast<const char*>((first + i) * 64);
-    __builtin_prefetch(line, 1, 3);
-    asm volatile("" : : "r"(line));
-  }
+// Requests the cache lines of x[0:m) before they are used. The empty volatile asm is the side
+// effect GCC does not see in __builtin_prefetch: without it GCC 12 classes a function that only
+// prefetches as const and deletes the calls to it that it has not inlined yet (the passes'
+// per-tensor state prefetch and the callback they hand to cpu::normals were both gone from the
+// binary).
+inline void prefetch_line(uintptr_t line) {
+  __builtin_prefetch(reinterpret_cast<const char*>(line), 1, 3);
+  asm volatile("" : : "r"(line));
 }
+template <typename T>
+inline void prefetch(const T* x, int64_t m) {
+  if (m <= 0) return;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(x + m);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(x) & ~uintptr_t{63}; line < end; line += 64)
+    prefetch_line(line);
+}
+
+// The cache lines of one chunk's arrays, each walked by a cursor, so that requesting the next
+// share of them is a compare and an add per line. Shares computed per call (lines * part / parts
+// of every array) cost two divisions per array per run of the generator: the passes on the AVX2
+// path 0-4% slower, AVX-512 unchanged (builds alternating; docs/BENCHMARKS.md, "Sixteenth
+// session").
+class ChunkLines {
+ public:
+  // The most arrays a pass streams: a parameter, its sum, its state (at most kMaxFilterBuffers
+  // direction-filter buffers, or a family's few) and its noise filter's buffers.
+  static constexpr int kMaxArrays = 4 + 2 * kMaxFilterBuffers;
+
+  void clear() { n_ = 0, lines_ = 0; }
+
+  // Adds x[0:m) to the lines to request.
+  template <typename T>
+  void add(const T* x, int64_t m) {
+    if (m <= 0) return;
+    DPK_CHECK(n_ < kMaxArrays, "a pass streams more than ", kMaxArrays, " arrays");
+    Cursor& c = cursor_[n_++];
+    c.next = reinterpret_cast<uintptr_t>(x) & ~uintptr_t{63};
+    c.end = reinterpret_cast<uintptr_t>(x + m);
+    lines_ = std::max<int64_t>(lines_, static_cast<int64_t>((c.end - c.next + 63) / 64));
+  }
+
+  // Requests the next `lines` lines of every array.
+  void request(int64_t lines) {
+    for (int a = 0; a < n_; ++a) {
+      Cursor& c = cursor_[a];
+      uintptr_t line = c.next;
+      const uintptr_t stop = std::min(c.end, line + 64 * static_cast<uintptr_t>(lines));
+      for (; line < stop; line += 64) prefetch_line(line);
+      c.next = line;
+    }
+  }
+  void request_all() { request(lines_); }
+
+  // Share r of `shares` equal shares, in order: after the last one every line has been requested.
+  void request_share(int64_t r, int64_t shares) {
+    if (r == 0) per_share_ = (lines_ + shares - 1) / shares;
+    request(r + 1 == shares ? lines_ : per_share_);
+  }
+
+ private:
+  struct Cursor {
+    uintptr_t next, end;
+  };
+  Cursor cursor_[kMaxArrays];
+  int n_ = 0;
+  int64_t lines_ = 0, per_share_ = 0;
+};
 
 // When a pass requests the lines of a task's chunks. The first chunk's are requested at once;
 // every later chunk's a share after each run of the previous chunk's noise (the `between`
 // callback of cpu::normals, which begin_chunk(i0, m) returns), so that its traffic overlaps the
 // generator.
 // Requested at once before a chunk's noise, the lines stall the generator until most of them have
-// arrived, and the two times add up (docs/BENCHMARKS.md). request(i0, m, part, parts) prefetches
-// part `part` of `parts` of elements [i0, i0 + m) of every array the pass streams.
-template <typename Request>
+// arrived, and the two times add up (docs/BENCHMARKS.md). arrays(i0, m, lines) adds elements
+// [i0, i0 + m) of every array the pass streams to `lines` (ChunkLines::add).
+template <typename Arrays>
 class ChunkPrefetch {
  public:
-  ChunkPrefetch(const StreamTask& task, const Request& request) : task_(task), request_(request) {}
+  ChunkPrefetch(const StreamTask& task, const Arrays& arrays) : task_(task), arrays_(arrays) {}
 
   // Called as chunk [i0, i0 + m) starts: requests its lines if it is the task's first, and returns
   // the callback that requests the next chunk's while this one's noise is generated.
-  auto begin_chunk(int64_t i0, int64_t m) const {
-    if (i0 == task_.begin) request_(i0, m, 0, 1);
-    const int64_t next = i0 + m, next_m = std::min(kChunk, task_.end - next);
-    return [this, next, next_m](int64_t r, int64_t runs) {
-      if (next_m > 0) request_(next, next_m, r, runs);
-    };
+  auto begin_chunk(int64_t i0, int64_t m) {
+    if (i0 == task_.begin) {
+      ChunkLines first;
+      arrays_(i0, m, first);
+      first.request_all();
+    }
+    next_.clear();
+    const int64_t next = i0 + m;
+    arrays_(next, std::min(kChunk, task_.end - next), next_);
+    return [this](int64_t r, int64_t runs) { next_.request_share(r, runs); };
   }
 
  private:
   const StreamTask& task_;
-  const Request& request_;
+  const Arrays& arrays_;
+  ChunkLines next_;
 };
 
 // A buffer-major tensor list of fp32 buffers (list[k * L + l] is buffer k of tensor l), as the
@@ -172,10 +228,9 @@ class BufferTable {
     for (const at::Tensor& t : list) ptr_.push_back(t.data_ptr<float>());
   }
   float* at(int64_t k, int64_t l) const { return ptr_[k * L_ + l]; }
-  // prefetch(x, m, part, parts) of elements [i0, i0 + m) of every buffer of tensor l.
-  void prefetch(int64_t l, int64_t i0, int64_t m, int64_t part, int64_t parts) const {
-    for (size_t k = 0; k * L_ < ptr_.size(); ++k)
-      cpu::prefetch(at(static_cast<int64_t>(k), l) + i0, m, part, parts);
+  // Adds elements [i0, i0 + m) of every buffer of tensor l to `lines`.
+  void add_lines(int64_t l, int64_t i0, int64_t m, ChunkLines& lines) const {
+    for (size_t k = 0; k * L_ < ptr_.size(); ++k) lines.add(at(static_cast<int64_t>(k), l) + i0, m);
   }
 
  private:
