@@ -521,37 +521,40 @@ constexpr int kGroup = 1;
 // written in place; only a partial run at either end goes through a buffer. (Copying every run out
 // of one cost the AVX2 path a fifth of its time, per 512-element call as the fused passes make
 // them: 1.55-1.60 against 1.23 ns a normal, AVX-512 1.06-1.12 against 1.03-1.05; docs/BENCHMARKS.md.)
-// between(r, runs) is called after the r-th of the call's `runs` runs: the streaming passes spread
-// their next chunk's prefetches over the generator with it (cpu::ChunkPrefetch).
+// between(k, calls) is called `calls` = 2 x runs times, k = 0, 1, ..., after each run's Philox
+// words and after each run's transform: the streaming passes spread their next chunk's prefetches
+// over the generator with it (cpu::ChunkPrefetch). Twice per run rather than once, each request
+// is half as many lines, and stalls the generator less: the fused passes 2-9% faster on AVX-512,
+// unchanged on AVX2 (builds alternating; docs/BENCHMARKS.md, "Sixteenth session").
 template <typename Between = NothingBetweenRuns>
 inline void normals(int64_t e0, int64_t n, const NoiseKey& noise_key, float* out,
                     const Between& between = {}) {
   const PhiloxKeySchedule key(noise_key);
   alignas(64) float z[kRun];
   U32Vec w[kGroup][4];  // the words of the group of runs in progress
-  const int64_t runs = n > 0 ? (e0 + n - 1) / kRun - e0 / kRun + 1 : 0;
-  for (int64_t e = e0, r = 0; e < e0 + n; between(r++, runs)) {
+  const int64_t runs = n > 0 ? (e0 + n - 1) / kRun - e0 / kRun + 1 : 0, calls = 2 * runs;
+  int64_t k = 0;
+  for (int64_t e = e0, r = 0; e < e0 + n; ++r) {
     const int64_t run = e / kRun, lo = e - run * kRun, take = std::min(kRun - lo, e0 + n - e);
-    // This run's normals into dst: words and transform, or the transform of its group's words.
-    // Groups of one go through normal_run, not the grouped code: GCC compiled that form slower on
-    // AVX2 (1.20-1.33 against 1.15-1.19 ns a normal in 512-element calls, tools/noise_loop.py).
-    const auto make = [&](float* dst) {
-      if constexpr (kGroup == 1) {
-        normal_run(static_cast<uint64_t>(run) * kBatch, key, dst);
-      } else {
-        if (r % kGroup == 0) {
-          for (int64_t i = 0; i < std::min<int64_t>(kGroup, runs - r); ++i)
-            philox_lanes(static_cast<uint64_t>(run + i) * kBatch, key, w[i]);
-        }
-        box_muller_lanes(w[r % kGroup], dst);
-      }
-    };
-    if (take == kRun) {
-      make(out + (e - e0));
+    float* dst = take == kRun ? out + (e - e0) : z;
+    // Groups of one in plain locals: GCC compiled the grouped form slower on AVX2 (1.22 against
+    // 1.13-1.16 ns a normal in 512-element calls, tools/noise_loop.py).
+    if constexpr (kGroup == 1) {
+      U32Vec words[4];
+      philox_lanes(static_cast<uint64_t>(run) * kBatch, key, words);
+      between(k++, calls);
+      box_muller_lanes(words, dst);
     } else {
-      make(z);
-      std::copy(z + lo, z + lo + take, out + (e - e0));
+      if (r % kGroup == 0) {
+        for (int64_t i = 0; i < std::min<int64_t>(kGroup, runs - r); ++i) {
+          philox_lanes(static_cast<uint64_t>(run + i) * kBatch, key, w[i]);
+          between(k++, calls);
+        }
+      }
+      box_muller_lanes(w[r % kGroup], dst);
     }
+    between(k++, calls);
+    if (take != kRun) std::copy(z + lo, z + lo + take, out + (e - e0));
     e += take;
   }
 }

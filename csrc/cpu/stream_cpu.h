@@ -189,9 +189,9 @@ class ChunkLines {
 };
 
 // When a pass requests the lines of a task's chunks. The first chunk's are requested at once;
-// every later chunk's a share after each run of the previous chunk's noise (the `between`
-// callback of cpu::normals, which begin_chunk(i0, m) returns), so that its traffic overlaps the
-// generator.
+// every later chunk's a share at a time while the previous chunk's noise is generated, after each
+// run's Philox words and after each transform (the `between` callback of cpu::normals, which
+// begin_chunk(i0, m) returns), so that its traffic overlaps the generator.
 // Requested at once before a chunk's noise, the lines stall the generator until most of them have
 // arrived, and the two times add up (docs/BENCHMARKS.md). arrays(i0, m, lines) adds elements
 // [i0, i0 + m) of every array the pass streams to `lines` (ChunkLines::add).
@@ -211,7 +211,7 @@ class ChunkPrefetch {
     next_.clear();
     const int64_t next = i0 + m;
     arrays_(next, std::min(kChunk, task_.end - next), next_);
-    return [this](int64_t r, int64_t runs) { next_.request_share(r, runs); };
+    return [this](int64_t k, int64_t calls) { next_.request_share(k, calls); };
   }
 
  private:
