@@ -61,7 +61,7 @@ class StepNoise {
   }
 
   // ν of elements [i0, i0 + m) of tensor l (global index e0); `scratch` holds kChunk floats.
-  // between(r, runs) runs between the generator's runs (cpu::normals), when it runs.
+  // between(k, calls) is cpu::normals' callback, called while the generator runs, when it runs.
   template <typename Between>
   ChunkNoise chunk(int64_t l, int64_t i0, int64_t m, int64_t e0, float* scratch,
                    const Between& between) const {

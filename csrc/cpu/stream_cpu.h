@@ -204,9 +204,9 @@ class ChunkPrefetch {
   // the callback that requests the next chunk's while this one's noise is generated.
   auto begin_chunk(int64_t i0, int64_t m) {
     if (i0 == task_.begin) {
-      ChunkLines first;
-      arrays_(i0, m, first);
-      first.request_all();
+      next_.clear();
+      arrays_(i0, m, next_);
+      next_.request_all();
     }
     next_.clear();
     const int64_t next = i0 + m;
