@@ -2,8 +2,8 @@
 //
 // One pass over the whole tensor list with the streaming skeleton of stream_cpu.h: a chunk forms
 // its inputs x in a small fp32 array (input + std * z, z from cpu::normals of whole Philox runs),
-// then runs filter_step() on SIMD lanes (cpu::filter_chunk), the state
-// buffers being read and written in place; the chunk stays in L1 across the K buffers.
+// then runs filter_step() over it term by term (cpu::filter_chunk), the state buffers being read
+// and written in place; the chunk stays in L1 across the K buffers.
 //
 // Products and sums are rounded separately, as in the reference and the CUDA kernel (__fmul_rn /
 // __fadd_rn there): the build's -ffp-contract=off keeps GCC from fusing them into FMAs.
@@ -46,6 +46,7 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
       const scalar_t* in = inputs.empty() ? nullptr : inputs[l].const_data_ptr<scalar_t>();
       scalar_t* o = out.empty() ? nullptr : out[l].data_ptr<scalar_t>();
       alignas(64) float x[kChunk];
+      alignas(64) float y_buf[kChunk];
       const auto arrays = [&](int64_t i0, int64_t m, cpu::ChunkLines& lines) {
         if (in != nullptr) lines.add(in + i0, m);
         if (o != nullptr) lines.add(o + i0, m);
@@ -66,11 +67,11 @@ void linear_filter_cpu(at::TensorList inputs, at::TensorList state, at::TensorLi
         } else {
           std::fill(x, x + m, 0.f);
         }
-        cpu::filter_chunk(lay.fc, x, m, bufs, l, i0);
+        const float* y = cpu::filter_chunk(lay.fc, x, y_buf, m, bufs, l, i0);
         if (o != nullptr) {
           scalar_t* oc = o + i0;
           for (int64_t i = 0; i < m; ++i) {
-            oc[i] = static_cast<scalar_t>(accumulate ? static_cast<float>(oc[i]) + x[i] : x[i]);
+            oc[i] = static_cast<scalar_t>(accumulate ? static_cast<float>(oc[i]) + y[i] : y[i]);
           }
         }
       });

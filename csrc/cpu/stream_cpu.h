@@ -10,9 +10,8 @@
 // global index, so a chunk's noise is whole Philox runs (cpu::normals wastes nothing) and its
 // fp32 temporaries (noise, filter input and output) live in small stack buffers that stay in L1.
 //
-// filter_vectors() and filter_chunk() run filter.h's step on Vec lanes (vec_cpu.h); their callers
-// compile them without FMA contraction (see filter.cpp) so that products and sums round as in the
-// reference.
+// filter_chunk() runs filter.h's step over a chunk; the build compiles it without FMA contraction
+// (see filter.cpp) so that products and sums round as in the reference.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -242,33 +241,66 @@ class BufferTable {
 // direction and noise filters are this identity, and evaluating it took a seventh of its pass.
 inline bool is_identity(const FilterCoeffs& fc) { return fc.K == 0 && fc.a == 1.f && fc.g == 1.f; }
 
-// out(i, w, filter_step(fc, in(i, w))) for each Vec of elements [i, i + w) of [0, m), with the
-// fc.K buffers of tensor l read and written in place at elements [i0 + i, i0 + i + w). A pass
-// whose filter sits between element math of its own runs that math in `in` and `out`, in the
-// same walk over the chunk.
-template <typename In, typename Out>
-inline void filter_vectors(const FilterCoeffs& fc, int64_t m, const BufferTable& bufs, int64_t l, int64_t i0,
-                           const In& in, const Out& out) {
-  // A local copy: the buffers' stores could alias fc's floats, so GCC reloaded and retested the
-  // coefficients on every vector (DPSGD with momentum 2-3% slower on both paths).
-  const FilterCoeffs c = fc;
-  float* b[kMaxFilterBuffers];
-  for (int k = 0; k < c.K; ++k) b[k] = bufs.at(k, l) + i0;
-  for (int64_t i = 0; i < m; i += Vec::size()) {
-    const int w = static_cast<int>(std::min<int64_t>(Vec::size(), m - i));
-    const auto load = [&](int k) { return Vec::loadu(b[k] + i, w); };
-    const auto store = [&](int k, Vec v) { v.store(b[k] + i, w); };
-    out(i, w, filter_step(c, in(i, w), load, store));
+namespace detail {
+
+// The terms of filter.h's step as loops over a chunk's __restrict arrays, so that GCC vectorises
+// each one and the tests of its coefficients run once per chunk.
+inline void filter_scale(int64_t m, float a, const float* __restrict x, float* __restrict y) {
+  for (int64_t i = 0; i < m; ++i) y[i] = a * x[i];
+}
+inline void filter_add(int64_t m, float c, const float* __restrict s, float* __restrict y) {
+  for (int64_t i = 0; i < m; ++i) y[i] = y[i] + c * s[i];
+}
+// s <- [d s] + [e y] + [f x], the terms that kD, kE, kF keep, summed from 0 in that order
+// (filter_state).
+template <bool kD, bool kE, bool kF>
+void filter_update(int64_t m, float d, float e, float f, float* __restrict s, const float* __restrict y,
+                   const float* __restrict x) {
+  for (int64_t i = 0; i < m; ++i) {
+    float v = kD ? d * s[i] : 0.f;
+    if constexpr (kE) v = v + e * y[i];
+    if constexpr (kF) v = v + f * x[i];
+    s[i] = v;
   }
 }
+template <int kMask = 0>
+void filter_update(int mask, int64_t m, float d, float e, float f, float* s, const float* y, const float* x) {
+  if constexpr (kMask < 7) {
+    if (mask != kMask) return filter_update<kMask + 1>(mask, m, d, e, f, s, y, x);
+  }
+  filter_update<(kMask & 4) != 0, (kMask & 2) != 0, (kMask & 1) != 0>(m, d, e, f, s, y, x);
+}
 
-// x[0:m) = filter_step(fc, x[0:m)) on Vec lanes, in place (filter_vectors).
-inline void filter_chunk(const FilterCoeffs& fc, float* x, int64_t m, const BufferTable& bufs, int64_t l,
-                         int64_t i0) {
-  if (is_identity(fc)) return;
-  filter_vectors(
-      fc, m, bufs, l, i0, [&](int64_t i, int w) { return Vec::loadu(x + i, w); },
-      [&](int64_t i, int w, Vec y) { y.store(x + i, w); });
+}  // namespace detail
+
+// filter_step(fc, x) on elements [0, m) of a chunk, the fc.K buffers of tensor l read and written
+// in place at elements [i0, i0 + m). Returns the output g y: x itself for the identity filter,
+// else written to y[0:m) (x and y distinct). Evaluated term by term, a loop over the chunk each
+// (y = a x; y += c_k S_k for k = 0, 1, ...; the buffers' updates; g y): filter_step's operations
+// in its order on every element, so the same bits. filter_step on Vec lanes in one walk tested
+// every coefficient on every vector, and the noise's generator shares the core with those
+// instructions: linear_filter_ with two buffers and noise is 17-27% faster this way
+// (docs/BENCHMARKS.md, "Seventeenth session").
+inline const float* filter_chunk(const FilterCoeffs& fc, const float* x, float* y, int64_t m,
+                                 const BufferTable& bufs, int64_t l, int64_t i0) {
+  if (is_identity(fc)) return x;
+  if (fc.a != 0.f) {
+    detail::filter_scale(m, fc.a, x, y);
+  } else {
+    std::fill(y, y + m, 0.f);
+  }
+  for (int k = 0; k < fc.K; ++k) {
+    if (fc.c[k] != 0.f) detail::filter_add(m, fc.c[k], bufs.at(k, l) + i0, y);
+  }
+  for (int k = 0; k < fc.K; ++k) {
+    if (!filter_updates(fc, k)) continue;
+    const int mask = (fc.d[k] != 0.f) << 2 | (fc.e[k] != 0.f) << 1 | (fc.f[k] != 0.f);
+    detail::filter_update(mask, m, fc.d[k], fc.e[k], fc.f[k], bufs.at(k, l) + i0, y, x);
+  }
+  if (const float g = fc.g; g != 1.f) {
+    for (int64_t i = 0; i < m; ++i) y[i] = g * y[i];
+  }
+  return y;
 }
 
 // How a pass writes an output it does not read back. A pass that streams more bytes than the

@@ -68,4 +68,23 @@ DPK_HOST_DEVICE inline T filter_step(const FilterCoeffs& fc, T x, const Load& lo
   return T(fc.g) * y;
 }
 
+// The heavy-ball shape: one buffer, y = a x + c S, S <- e y, out = g y (a, c, e != 0, d = f = 0).
+// Heavy-ball momentum is a = e = g = 1, c = μ; DP-PMLF's one-pole presets are one too.
+struct HeavyBall {
+  float a, c, e, g;
+};
+DPK_HOST_DEVICE inline bool is_heavy_ball(const FilterCoeffs& fc) {
+  return fc.K == 1 && fc.a != 0.f && fc.c[0] != 0.f && fc.d[0] == 0.f && fc.e[0] != 0.f && fc.f[0] == 0.f;
+}
+DPK_HOST_DEVICE inline HeavyBall heavy_ball(const FilterCoeffs& fc) { return {fc.a, fc.c[0], fc.e[0], fc.g}; }
+
+// filter_step on heavy-ball coefficients: its operations in its order (the new S summed from 0),
+// so the same bits.
+template <typename T>
+DPK_HOST_DEVICE inline T heavy_ball_step(const HeavyBall& hb, T x, T& S) {
+  const T y = T(hb.a) * x + T(hb.c) * S;
+  S = T(0.f) + T(hb.e) * y;
+  return T(hb.g) * y;
+}
+
 }  // namespace dpkernels
