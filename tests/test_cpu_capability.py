@@ -173,3 +173,27 @@ def test_streaming_passes_keep_their_prefetches(name):
     for family in ("SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk", "linear_filter_cpu", "gaussian_cpu"):
         word = re.compile(rf"\b{family}\b")  # AdamChunk must not match MacAdamChunk
         assert any(word.search(f) for f in with_prefetch), f"{path.name}: no prefetch in any {family} function"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+@pytest.mark.skipif(not list(PKG.glob("_cpu_default.*.so")), reason="x86-64 build only")
+@pytest.mark.parametrize("name", ["_cpu_default", "_cpu_avx2", "_cpu_avx512"])
+def test_optimizer_passes_take_fp32_square_roots(name):
+    """The fused optimizer passes take their square roots in fp32, as the reference does.
+
+    An unqualified sqrt of a float on the host is C's sqrt(double): the Adam denominators were
+    computed in float64 (√v̂ + ε rounded once, not the reference's fp32 sum) and the Adam, STP and
+    MacAdam loops ran in float64 lanes (docs/BENCHMARKS.md, seventeenth session). A build from
+    before the fix has sqrtpd or sqrtsd in its AdamChunk and MacAdamChunk functions."""
+    (path,) = PKG.glob(f"{name}.*.so")
+    function, checked = None, set()
+    for line in _objdump(path, "-C").splitlines():
+        if line.endswith(">:"):
+            function = line[line.index("<") + 1 : -2]
+            family = re.search(r"\b(SgdChunk|Dp2Chunk|AdamChunk|MacAdamChunk)\b", function)
+            function = family.group(1) if family else None
+            if function is not None:
+                checked.add(function)
+        elif function is not None:
+            assert re.search(r"\bv?sqrt[ps]d\b", line) is None, f"{path.name}: float64 square root in {function}"
+    assert checked == {"SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk"}, f"{path.name}: found {checked}"

@@ -22,6 +22,15 @@
 
 namespace dpkernels {
 
+#if !defined(__CUDACC__)
+// sqrt(float) in fp32. The host's unqualified sqrt is otherwise C's sqrt(double): the float was
+// widened, and the rest of the expression (+ ε, × ν) computed in float64 and rounded once. That
+// is not the reference's fp32 arithmetic, and the CPU loops ran in float64 lanes: DPAdam's pass
+// took 1.3x, DPAdamSTP's 1.6x and DPMacAdam's 1.15x as long (docs/BENCHMARKS.md, "Seventeenth
+// session"). The device has float overloads of its own.
+using std::sqrt;
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Families and their scalar arguments: the structs SgdHyper, Dp2Hyper, AdamHyper, MacAdamHyper
 // and the enums Dp2Phase, AdamVariant, MacAdamBC are generated from dpkernels/_kernel_args.py
