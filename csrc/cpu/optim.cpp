@@ -39,7 +39,6 @@ namespace dpkernels {
 namespace {
 
 using cpu::kChunk;
-using cpu::Vec;
 
 alignas(64) constexpr float kZeros[kChunk] = {};
 
