@@ -17,6 +17,7 @@ from torch import Tensor
 
 import dpkernels
 import dpkernels.optim as fused
+import dpkernels.reference.optim as ref_optim
 from dpkernels import BandedNoise, BLTNoise
 
 SHAPES = [(3, 5), (7,), (33,), (2, 3, 4)]
@@ -270,6 +271,42 @@ def test_family_op_opcheck(backend_device, family):
         op, _family_args(family, device), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
     )
     assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# Direction filters [a, g, c_k..., d_k..., e_k..., f_k...]: heavy-ball shapes (y = a x + c S, S <- e y,
+# which the CPU kernel runs in one loop with the update) and others (run term by term).
+_DIR_FILTERS = {
+    "momentum": [1.0, 1.0, 0.9, 0.0, 1.0, 0.0],
+    "heavy-ball-scaled": [0.3, 1.7, 0.9, 0.0, 0.5, 0.0],
+    "one-buffer-every-term": [0.3, 1.7, 0.9, 0.2, 0.5, 0.7],
+    "pmlf-two-tap": [0.5, 0.8, 0.72, 0.05, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0],
+    "a0-unread-buffer": [0.0, 1.0, 0.6, 0.0, 0.9, 1.0, 0.4, 0.0, 0.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("coeffs", _DIR_FILTERS.values(), ids=_DIR_FILTERS.keys())
+def test_sgd_step_filters_match_reference_bit_for_bit(backend_device, coeffs):
+    """With given sums and noise, sgd_step_ is the reference's fp32 operations bit for bit, θ and
+    every buffer, whichever path the kernel takes for the direction filter. A term whose
+    coefficient is 0 is not evaluated: the NaN in the buffer that no term reads stays there and
+    reaches nothing."""
+    backend, device = backend_device
+    _native_only(backend)
+    K, shapes = (len(coeffs) - 2) // 4, ((517,), (33, 7))
+    g = torch.Generator().manual_seed(5)
+    params, sums, noise = ([torch.randn(s, generator=g).to(device) for s in shapes] for _ in range(3))
+    state = [torch.randn(s, generator=g).to(device) for _ in range(K) for s in shapes]
+    if coeffs[3] == 0.0 and K == 2:  # c_1 = 0 and (d, e, f)_1 = (1, 0, 0): buffer 1 is never read
+        state[len(shapes)][3] = float("nan")
+    runs = []
+    for step in (ref_optim.sgd_step_, torch.ops.dpkernels_C.sgd_step_):
+        p, st = [t.clone() for t in params], [t.clone() for t in state]
+        for _ in range(2):
+            step(p, sums, st, coeffs, [], noise, [], [1.0, 1.0], 0.0, SEED, 1, 0, 0, _SGD_HYPER)
+        runs.append(p + st)
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert not any(t.isnan().any() for t in runs[1][: len(shapes)])
 
 
 def test_macadam_sum_is_deterministic_across_threads(backend_device):
