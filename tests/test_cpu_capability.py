@@ -120,6 +120,22 @@ def _objdump(path: Path, *flags: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True).stdout
 
 
+def _functions(path: Path) -> dict[str, list[str]]:
+    """The instruction lines of each function of ``path``'s machine code, by demangled name."""
+    functions: dict[str, list[str]] = {}
+    lines = None
+    for line in _objdump(path, "-C").splitlines():
+        if line.endswith(">:"):
+            lines = functions.setdefault(line[line.index("<") + 1 : -2], [])
+        elif lines is not None:
+            lines.append(line)
+    return functions
+
+
+# The fused optimizer families' chunk functions (csrc/cpu/optim.cpp).
+_OPTIM_FAMILIES = ("SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk")
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 @pytest.mark.skipif(not list(PKG.glob("_cpu_default.*.so")), reason="x86-64 build only")
 def test_no_wider_instructions_outside_their_module():
@@ -158,19 +174,12 @@ def test_streaming_passes_keep_their_prefetches(name):
     function counts if it prefetches or calls one that does (GCC inlines cpu::ChunkLines::request
     into some passes and not into others)."""
     (path,) = PKG.glob(f"{name}.*.so")
-    prefetches, calls, function = set(), {}, None
-    for line in _objdump(path, "-C").splitlines():
-        if line.endswith(">:"):
-            function = line[line.index("<") + 1 : -2]
-            calls[function] = set()
-        elif function is None:
-            continue
-        elif "prefetch" in line:
-            prefetches.add(function)
-        elif (call := re.search(r"\bcall\s+\w+ <(.+)>$", line)) is not None:
-            calls[function].add(call.group(1))
+    functions = _functions(path)
+    prefetches = {f for f, lines in functions.items() if any("prefetch" in line for line in lines)}
+    calls = {f: {c.group(1) for line in lines if (c := re.search(r"\bcall\s+\w+ <(.+)>$", line))}
+             for f, lines in functions.items()}  # fmt: skip
     with_prefetch = {f for f, callees in calls.items() if f in prefetches or callees & prefetches}
-    for family in ("SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk", "linear_filter_cpu", "gaussian_cpu"):
+    for family in (*_OPTIM_FAMILIES, "linear_filter_cpu", "gaussian_cpu"):
         word = re.compile(rf"\b{family}\b")  # AdamChunk must not match MacAdamChunk
         assert any(word.search(f) for f in with_prefetch), f"{path.name}: no prefetch in any {family} function"
 
@@ -186,14 +195,11 @@ def test_optimizer_passes_take_fp32_square_roots(name):
     MacAdam loops ran in float64 lanes (docs/BENCHMARKS.md, seventeenth session). A build from
     before the fix has sqrtpd or sqrtsd in its AdamChunk and MacAdamChunk functions."""
     (path,) = PKG.glob(f"{name}.*.so")
-    function, checked = None, set()
-    for line in _objdump(path, "-C").splitlines():
-        if line.endswith(">:"):
-            function = line[line.index("<") + 1 : -2]
-            family = re.search(r"\b(SgdChunk|Dp2Chunk|AdamChunk|MacAdamChunk)\b", function)
-            function = family.group(1) if family else None
-            if function is not None:
-                checked.add(function)
-        elif function is not None:
-            assert re.search(r"\bv?sqrt[ps]d\b", line) is None, f"{path.name}: float64 square root in {function}"
-    assert checked == {"SgdChunk", "Dp2Chunk", "AdamChunk", "MacAdamChunk"}, f"{path.name}: found {checked}"
+    family_re, checked = re.compile(rf"\b({'|'.join(_OPTIM_FAMILIES)})\b"), set()
+    for function, lines in _functions(path).items():
+        if (family := family_re.search(function)) is None:
+            continue
+        checked.add(family.group(1))
+        for line in lines:
+            assert re.search(r"\bv?sqrt[ps]d\b", line) is None, f"{path.name}: float64 square root in {family.group(1)}"
+    assert checked == set(_OPTIM_FAMILIES), f"{path.name}: found {checked}"
