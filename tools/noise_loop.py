@@ -1,10 +1,14 @@
 """Build tools/noise_loop.cpp once per CPU path with that path's flags (tools/build_config.py) and
 run each on one core: the generators' cost without the op around them (docs/BENCHMARKS.md).
 
-    .venv/bin/python tools/noise_loop.py [--core 1]
+    .venv/bin/python tools/noise_loop.py [--core 1] [--hide-fma]
+
+--hide-fma hides FMA and AVX2 from glibc (GLIBC_TUNABLES), as a CPU without them does: its fmaf is
+then the software routine, which the portable path's generator avoids (csrc/cpu/noise_cpu.h, vfma).
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +25,7 @@ HERE = Path(__file__).parent
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--core", type=int, default=1, help="the core each run is pinned to (%(default)s)")
+    ap.add_argument("--hide-fma", action="store_true", help="hide FMA and AVX2 from glibc's fmaf, as such a CPU does")
     args = ap.parse_args()
     lib = Path(ext.library_paths()[0])
     includes = [f"-I{d}" for d in [*cfg.include_dirs(), *ext.include_paths()]]
@@ -30,7 +35,8 @@ def main() -> int:
             subprocess.run(["g++", *cfg.cxx_flags(cap), *includes, str(HERE / "noise_loop.cpp"), "-o", str(exe),
                             f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"], check=True)  # fmt: skip
             run = ["taskset", "-c", str(args.core), str(exe)]
-            out = subprocess.run(run, check=True, capture_output=True, text=True)
+            env = {**os.environ, "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-FMA,-AVX2"} if args.hide_fma else None
+            out = subprocess.run(run, check=True, capture_output=True, text=True, env=env)
             print(f"{cap:8s} {out.stdout.strip()}", flush=True)
     return 0
 

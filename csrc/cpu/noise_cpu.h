@@ -205,6 +205,9 @@ inline void store_element_order(const VF z[4], float* out) {
   _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(b26, b37, 0x31));
 }
 #else
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 constexpr int kBatch = 8;
 
 struct U32Vec {
@@ -269,8 +272,10 @@ inline U32Vec pack_slots(const Slot (&q)[kSlots]) {
 // 16-byte vectors, the width every SIMD baseline has (SSE2, NEON): wider generic vectors would
 // have their compares and selects split into scalar code.
 constexpr int kParts = 2;  // VF vectors per U32Vec
-// One Box-Muller chain at a time: fmaf is a call here, and live chains would spill around it.
-constexpr int kChains = 1;
+// Box-Muller chains in flight: vfma in double is a long chain of dependent steps, and four hide it
+// (tools/noise_loop.py --hide-fma, one core: 15.9-16.1 ns a normal with 1, 12.9 with 2, 11.8-11.9
+// with 4).
+constexpr int kChains = 4;
 using VF = float __attribute__((vector_size(16)));
 using VUPart = uint32_t __attribute__((vector_size(16)));
 inline VUPart part(const U32Vec& x, int h) {
@@ -284,11 +289,66 @@ inline VF vsqrt(VF x) {
   return x;
 }
 
-// The noise must be bit-identical on every path, so the fused multiply-add stays fused: the C
-// library's fmaf rounds once, as the FMA instruction does (one instruction where the target has
-// it; a correctly rounded software routine on baseline x86-64, ~27 ns per normal in all).
+// The noise must be bit-identical on every path, so the fused multiply-add stays fused: rounded
+// once, as the SIMD paths' FMA instructions round. Where fmaf is one instruction (__FP_FAST_FMAF:
+// aarch64, x86 built with FMA) vfma calls it. On baseline x86-64 the C library's fmaf is software,
+// and on a CPU without FMA glibc's saves and restores the floating-point environment on every call:
+// the generator took 795 ns a normal there (`tools/noise_loop.py --hide-fma`, which hides FMA from
+// glibc as such a CPU does; docs/BENCHMARKS.md). So vfma computes in double: a b is exact (48
+// bits), d = a b + c rounds once and float(d) once more, and the two roundings give the single
+// one unless d falls exactly on a midpoint between two floats while a b + c does not. (Round to
+// nearest is monotonic, so otherwise a b + c and d lie between the same two midpoints.) The
+// generator's polynomials give many midpoints, all exact sums; an inexact one is moved one double
+// ulp toward a b + c by TwoSum's exact error, which is rounding to odd (Boldo and Melquiond,
+// "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to odd", IEEE
+// Trans. Computers 57(4), 2008). A result outside float's normal range, where the midpoints sit
+// elsewhere, is left to fmaf.
+inline float fma_by_double(float a, float b, float c) {
+  const double p = static_cast<double>(a) * b, d = p + c;
+  if (!(std::fabs(d) >= 0x1p-125 && std::fabs(d) < 0x1p127)) return __builtin_fmaf(a, b, c);
+  const double t = d - p, e = (p - (d - t)) + (c - t);  // TwoSum: p + c = d + e exactly
+  uint64_t bits = __builtin_bit_cast(uint64_t, d);
+  if ((bits & 0x1FFFFFFF) == 0x10000000 && e != 0) bits += (e > 0) == (d > 0) ? 1 : -1;
+  return static_cast<float>(__builtin_bit_cast(double, bits));
+}
+
 inline VF vfma(VF a, VF b, VF c) {
+#if defined(__SSE2__) && !defined(__FP_FAST_FMAF)
+  // fma_by_double on two pairs of double lanes, its tests on all four lanes at once; a vector that
+  // fails them (none of the 4.5 M normals of tools/noise_loop.py) runs it lane by lane.
+  const auto widen = [](VF x, __m128d& lo, __m128d& hi) {
+    lo = _mm_cvtps_pd(x);
+    hi = _mm_cvtps_pd(_mm_movehl_ps(x, x));
+  };
+  __m128d a0, a1, b0, b1, c0, c1;
+  widen(a, a0, a1);
+  widen(b, b0, b1);
+  widen(c, c0, c1);
+  const __m128d p0 = _mm_mul_pd(a0, b0), p1 = _mm_mul_pd(a1, b1);
+  const __m128d d0 = _mm_add_pd(p0, c0), d1 = _mm_add_pd(p1, c1);
+  // The low (k = 0) or high (k = 1) 32-bit words of two pairs of 64-bit lanes, in one vector.
+  const auto words = [](__m128d x0, __m128d x1, int k) {
+    const __m128 y0 = _mm_castpd_ps(x0), y1 = _mm_castpd_ps(x1);
+    return _mm_castps_si128(k == 0 ? _mm_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0))
+                                   : _mm_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  const auto inexact = [](__m128d p, __m128d c, __m128d d) {
+    const __m128d t = _mm_sub_pd(d, p);
+    return _mm_cmpneq_pd(_mm_add_pd(_mm_sub_pd(p, _mm_sub_pd(d, t)), _mm_sub_pd(c, t)), _mm_setzero_pd());
+  };
+  const __m128i on_midpoint = _mm_cmpeq_epi32(_mm_and_si128(words(d0, d1, 0), _mm_set1_epi32(0x1FFFFFFF)),
+                                              _mm_set1_epi32(0x10000000));
+  const __m128i exponent = _mm_and_si128(words(d0, d1, 1), _mm_set1_epi32(0x7FF00000));
+  const __m128i outside = _mm_or_si128(_mm_cmplt_epi32(exponent, _mm_set1_epi32((1023 - 125) << 20)),
+                                       _mm_cmpgt_epi32(exponent, _mm_set1_epi32((1023 + 126) << 20)));
+  const __m128i rounded_twice =
+      _mm_and_si128(on_midpoint, words(inexact(p0, c0, d0), inexact(p1, c1, d1), 0));
+  if (__builtin_expect(_mm_movemask_epi8(_mm_or_si128(rounded_twice, outside)) == 0, 1))
+    return _mm_movelh_ps(_mm_cvtpd_ps(d0), _mm_cvtpd_ps(d1));
+  for (int i = 0; i < 4; ++i) c[i] = fma_by_double(a[i], b[i], c[i]);
+#else
   for (int i = 0; i < 4; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+#endif
   return c;
 }
 
