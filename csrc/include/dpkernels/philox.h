@@ -93,6 +93,10 @@ struct ScalarLanes {
     return a * b + c;
 #endif
   }
+  // a b + c where a b is exact in float (a power of two or a short constant times a float): fused
+  // or not it is rounded once, the same bits, so a target without FMA may take the unfused form
+  // (the CPU's portable path, where a fused multiply-add is emulated).
+  DPK_HOST_DEVICE static F fma_exact_product(F a, F b, F c) { return fma(a, b, c); }
 };
 
 // ln u for a normal u in (0, 1] (every uniform_open0 value): Cephes' logf. u = m 2^k with m in
@@ -117,8 +121,8 @@ DPK_HOST_DEVICE inline F log_open01(F u) {
   }
   F y = f * f2 * p;
   y = Lanes::fma(k, Lanes::splat(-2.12194440e-4f), y);
-  y = Lanes::fma(Lanes::splat(-0.5f), f2, y);
-  return Lanes::fma(k, Lanes::splat(0.693359375f), f + y);
+  y = Lanes::fma_exact_product(Lanes::splat(-0.5f), f2, y);
+  return Lanes::fma_exact_product(k, Lanes::splat(0.693359375f), f + y);  // |k| <= 2^6, 9-bit constant
 }
 
 // cos and sin of theta = 2 pi u in (0, 2 pi], the evaluation every backend shares (the Triton twin is
@@ -141,7 +145,7 @@ DPK_HOST_DEVICE inline void sincos_2pi(F theta, F& cos_out, F& sin_out) {
   const F pc =
       Lanes::fma(Lanes::fma(Lanes::splat(2.443315711809948e-5f), x2, Lanes::splat(-1.388731625493765e-3f)),
                  x2, Lanes::splat(4.166664568298827e-2f));
-  const F cs = Lanes::fma(pc * x2, x2, Lanes::fma(Lanes::splat(-0.5f), x2, Lanes::splat(1.0f)));
+  const F cs = Lanes::fma(pc * x2, x2, Lanes::fma_exact_product(Lanes::splat(-0.5f), x2, Lanes::splat(1.0f)));
   // Quadrant j mod 4: (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c); the negations as sign-bit
   // flips, the same bits as -x without a select: bit 1 of j + 1 and of j, from q = j << 30 (bits 1
   // and 0 of j in bits 31 and 30).
