@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.utils.cpp_extension
 
 import dpkernels
 from dpkernels import _backend
@@ -210,9 +209,9 @@ def test_optimizer_passes_take_fp32_square_roots(name):
     assert checked == set(_OPTIM_FAMILIES), f"{path.name}: found {checked}"
 
 
-# Hides FMA (and AVX2, which glibc's FMA variants also require) from glibc's function selection, as
-# a CPU without them would: its fmaf is then the software routine.
-HIDE_FMA = "glibc.cpu.hwcaps=-FMA,-AVX2"
+_spec = importlib.util.spec_from_file_location("dpk_build_config", ROOT / "tools" / "build_config.py")
+build_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_config)
 
 
 @pytest.fixture(scope="module")
@@ -220,21 +219,15 @@ def portable_fma_check(tmp_path_factory) -> Path:
     """tests/portable_fma_check.cpp built with the portable module's flags (tools/build_config.py)."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    spec = importlib.util.spec_from_file_location("dpk_build_config", ROOT / "tools" / "build_config.py")
-    cfg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cfg)
     exe = tmp_path_factory.mktemp("fma") / "portable_fma_check"
-    includes = [f"-I{d}" for d in [*cfg.include_dirs(), *torch.utils.cpp_extension.include_paths()]]
-    lib = torch.utils.cpp_extension.library_paths()[0]
-    build = ["g++", *cfg.cxx_flags("default"), *includes, str(ROOT / "tests" / "portable_fma_check.cpp"),
-             "-o", str(exe), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]  # fmt: skip
+    build = build_config.program_command(ROOT / "tests" / "portable_fma_check.cpp", exe, "default")
     res = subprocess.run(build, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     return exe
 
 
 @pytest.mark.one_cpu_path
-@pytest.mark.parametrize("tunables", ["", HIDE_FMA], ids=["as-is", "fma-hidden"])
+@pytest.mark.parametrize("tunables", ["", build_config.GLIBC_HIDE_FMA], ids=["as-is", "fma-hidden"])
 def test_portable_fma_rounds_once(portable_fma_check, tunables):
     """The portable path's vfma, which computes fmaf in double where the target has no FMA
     instruction (csrc/cpu/noise_cpu.h), equals the C library's fmaf bit for bit on 333,184 cases

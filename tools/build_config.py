@@ -134,6 +134,23 @@ def cxx_flags(capability: str | None = None) -> list[str]:
     return [*CXX_FLAGS, *((*CPU_CAPABILITIES[capability], *CPU_MODULE_FLAGS) if capability else ())]
 
 
+def program_command(source, out, capability: str) -> list[str]:
+    """The g++ command that builds a standalone C++ program including the CPU kernels' headers
+    (tools/noise_loop.cpp, tests/portable_fma_check.cpp) into ``out``, with ``capability``'s flags,
+    against the installed torch (imported here, not when this module loads)."""
+    import torch.utils.cpp_extension as ext
+
+    lib = ext.library_paths()[0]
+    includes = [f"-I{d}" for d in [*include_dirs(), *ext.include_paths()]]
+    return ["g++", *cxx_flags(capability), *includes, str(source), "-o", str(out),
+            f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]  # fmt: skip
+
+
+# GLIBC_TUNABLES for running such a program as on a CPU without FMA: glibc's function selection no
+# longer sees FMA (nor AVX2, which its FMA variants also require), so its fmaf is the software routine.
+GLIBC_HIDE_FMA = "glibc.cpu.hwcaps=-FMA,-AVX2"
+
+
 def gencode_flags(archs=CUDA_ARCHS, ptx_arch: int | None = PTX_ARCH) -> list[str]:
     """``-gencode`` flags: SASS for each of ``archs``, and PTX for ``ptx_arch`` (None: no PTX)."""
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]

@@ -14,8 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch.utils.cpp_extension as ext
-
 sys.path.insert(0, str(Path(__file__).parent))
 import build_config as cfg  # noqa: E402
 
@@ -27,15 +25,12 @@ def main() -> int:
     ap.add_argument("--core", type=int, default=1, help="the core each run is pinned to (%(default)s)")
     ap.add_argument("--hide-fma", action="store_true", help="hide FMA and AVX2 from glibc's fmaf, as such a CPU does")
     args = ap.parse_args()
-    lib = Path(ext.library_paths()[0])
-    includes = [f"-I{d}" for d in [*cfg.include_dirs(), *ext.include_paths()]]
     with tempfile.TemporaryDirectory() as tmp:
         for cap in cfg.CPU_CAPABILITIES:
             exe = Path(tmp) / f"noise_loop_{cap}"
-            subprocess.run(["g++", *cfg.cxx_flags(cap), *includes, str(HERE / "noise_loop.cpp"), "-o", str(exe),
-                            f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"], check=True)  # fmt: skip
+            subprocess.run(cfg.program_command(HERE / "noise_loop.cpp", exe, cap), check=True)
             run = ["taskset", "-c", str(args.core), str(exe)]
-            env = {**os.environ, "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-FMA,-AVX2"} if args.hide_fma else None
+            env = {**os.environ, "GLIBC_TUNABLES": cfg.GLIBC_HIDE_FMA} if args.hide_fma else None
             out = subprocess.run(run, check=True, capture_output=True, text=True, env=env)
             print(f"{cap:8s} {out.stdout.strip()}", flush=True)
     return 0
