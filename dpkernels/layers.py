@@ -55,8 +55,14 @@ __all__ = [
 
 LINEAR_METHODS = ("auto", "t1", "gram", "tiled")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# Gram matrices of at most this many elements per chunk of samples (bounds the [b, T, T] buffers).
-_GRAM_CHUNK_ELEMS = 1 << 24
+# The Gram form's tiling per device: (rows per row block of T, elements per Gram chunk). On the
+# CPU, for T > 64, the upper block rows only (row blocks of 64: about (1 + 64/T)/2 of the flops),
+# and Grams over 1 MiB a chunk of samples at a time into two buffers reused: fresh [B, T, T]
+# Grams fault in their pages on every call (10,208 faults, 3 times the two GEMMs' time, for B = 32,
+# T = 256 on a 2-core EPYC; docs/BENCHMARKS.md, "Book-keeping"). On a GPU the whole Grams: fewest
+# launches.
+_GRAM_TILING = {"cpu": (64, 1 << 18)}
+_GRAM_TILING_DEFAULT = (None, 1 << 24)
 # A conv's explicit im2col patches (Gram form) are built a chunk of samples at a time, at
 # most max(this, the input's size) elements per chunk: kh·kw times the input would otherwise double
 # a small CNN's peak memory.
@@ -276,16 +282,38 @@ def _t1_sumsq(a, g, s_out, s_in, scale):
 
 
 def _gram_sumsq(a, g):
-    """``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` per sample, in chunks of samples bounding the ``[b, T, T]`` Grams."""
+    """``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` per sample (float64 ``[B]``) from the Grams' upper block rows.
+
+    With ``T`` split into row blocks ``R_j`` (``_GRAM_TILING``), block ``j`` forms ``P_j = A_i[R_j]
+    A_i[R_j:]ᵀ`` (its rows against themselves and every later row) and the same ``Q_j`` of ``G``:
+    ``⟨AAᵀ, GGᵀ⟩ = Σ_j 2⟨P_j, Q_j⟩ − ⟨P_j, Q_j⟩`` over the diagonal block, the Grams being symmetric.
+    A chunk of samples at a time, into two buffers reused across chunks and blocks; products in the
+    Grams' dtype, sums in float64.
+    """
     B, T = a.shape[:2]
-    step = max(1, _GRAM_CHUNK_ELEMS // max(1, T * T))
-    parts = []
-    for lo in range(0, B, step):
-        ai, gi = a[lo : lo + step], g[lo : lo + step]
-        parts.append(
-            _rowdot(torch.bmm(ai, ai.transpose(1, 2)).flatten(1), torch.bmm(gi, gi.transpose(1, 2)).flatten(1))
-        )
-    return torch.cat(parts) if parts else a.new_zeros(0, dtype=torch.float64)
+    rows, chunk = _GRAM_TILING.get(a.device.type, _GRAM_TILING_DEFAULT)
+    rows = T if rows is None else min(rows, T)
+    if rows == T and chunk >= B * T * T:  # one block, one chunk: the fewest operations (small layers)
+        return _rowdot(torch.bmm(a, a.mT).flatten(1), torch.bmm(g, g.mT).flatten(1))
+    out = torch.zeros(B, dtype=torch.float64, device=a.device)
+    buf_a = buf_g = a.new_empty(0)
+    for lo in range(0, T, rows):
+        hi = min(T, lo + rows)
+        h, w = hi - lo, T - lo
+        step = max(1, chunk // (h * w))
+        if buf_a.numel() < min(step, B) * h * w:
+            buf_a, buf_g = a.new_empty(min(step, B) * h * w), a.new_empty(min(step, B) * h * w)
+        for s in range(0, B, step):
+            e = min(B, s + step)
+            shape = (e - s, h, w)
+            p = torch.bmm(a[s:e, lo:hi], a[s:e, lo:].mT, out=buf_a[: math.prod(shape)].view(shape))
+            q = torch.bmm(g[s:e, lo:hi], g[s:e, lo:].mT, out=buf_g[: math.prod(shape)].view(shape))
+            pq = p.mul_(q)
+            total = pq.sum((1, 2), dtype=torch.float64)
+            if w > h:
+                total = 2 * total - pq[..., :h].sum((1, 2), dtype=torch.float64)
+            out[s:e] += total
+    return out
 
 
 def _shift_terms(a, g, s_out, s_in, scale, shift):

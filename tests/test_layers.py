@@ -60,6 +60,33 @@ def test_linear_sumsq_matches_reference(backend_device, shape, scale_kind, with_
         _check_sumsq(out, want, 1e-4 if with_shift and method != "tiled" else RTOL[torch.float32])
 
 
+def _force_gram_tiling(monkeypatch, rows, chunk):
+    """The Gram form's row blocks and chunk of samples, on every device."""
+    monkeypatch.setattr(L, "_GRAM_TILING", {})
+    monkeypatch.setattr(L, "_GRAM_TILING_DEFAULT", (rows, chunk))
+
+
+# (rows per row block, elements per chunk): one block and one chunk (the whole Grams at once); two
+# row blocks in one chunk; blocks that do not divide T, a few samples per chunk; single rows; a
+# chunk smaller than one sample's block.
+GRAM_TILINGS = [(None, 1 << 24), (32, 1 << 18), (5, 60), (1, 1 << 24), (7, 1)]
+
+
+@pytest.mark.parametrize("tiling", GRAM_TILINGS, ids=lambda t: f"rows{t[0]}-chunk{t[1]}")
+@pytest.mark.parametrize("with_shift", [False, True], ids=["noshift", "shift"])
+def test_linear_gram_tilings(backend_device, monkeypatch, tiling, with_shift):
+    """The Gram form's upper block rows and chunks of samples: every tiling gives the reference's norms."""
+    backend, device = backend_device
+    if backend == "reference":
+        pytest.skip("the reference materialises the per-sample gradients")
+    _force_gram_tiling(monkeypatch, *tiling)
+    a, g = torch.randn(5, 37, 9, device=device), torch.randn(5, 37, 6, device=device)
+    scale = _scales("rank1", 6, 9, device)
+    shift = 0.3 * torch.randn(6, 9, device=device) if with_shift else None
+    out = L.linear_sumsq(a, g, scale=scale, shift=shift, method="gram", backend=backend)
+    _check_sumsq(out, ref.linear_sumsq(a, g, scale, shift), 1e-4 if with_shift else RTOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_linear_sumsq_half_inputs(backend_device, dtype):
     backend, device = backend_device
@@ -184,7 +211,7 @@ def test_conv2d_gram_chunks_samples(backend_device, monkeypatch):
     x, g, wshape, per_sample, geom = _conv_case(device, CONVS["3x3-pad1"], B=5)
     want = ref.masked_sumsq(per_sample, None, None)
     monkeypatch.setattr(L, "_PATCH_CHUNK_ELEMS", 1)
-    monkeypatch.setattr(L, "_GRAM_CHUNK_ELEMS", 1)
+    _force_gram_tiling(monkeypatch, 2, 1)
     _check_sumsq(L.conv2d_sumsq(x, g, wshape, method="gram", backend=backend, **geom), want, 1e-4)
 
 
