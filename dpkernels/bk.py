@@ -280,7 +280,8 @@ class _LinearRule(_WrappedRule):
         if not m.weight.requires_grad:
             return {}
         a, g, alpha = self.prepared(calls, last=True)
-        return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, backend=backend)}
+        out = None if a.dtype == torch.float64 else weights.out(m.weight)  # float64 layers sum in float64
+        return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, out=out, backend=backend)}
 
 
 def _cat(xs: list[Tensor]) -> Tensor:
@@ -404,8 +405,9 @@ class _EmbeddingRule(_WrappedRule):
     def sums(self, calls, weights, backend):
         m = self.module
         ids, g, alpha = self.prepared(calls, last=True)
+        out = None if g.dtype == torch.float64 else weights.out(m.weight)  # float64 layers sum in float64
         s = embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, padding_idx=m.padding_idx,
-                                   backend=backend)  # fmt: skip
+                                   out=out, backend=backend)  # fmt: skip
         return {m.weight: s}
 
 
@@ -723,7 +725,7 @@ class BKBatch:
         return len(self.sets[0]) if self.sets else 0
 
     def clipped_sums(self, params, coeffs, C, mode, r, shift, scale, per_layer, nonfinite, backend, *,
-                     norm_scale=1.0):  # fmt: skip
+                     norm_scale=1.0, buffers=None):  # fmt: skip
         """``(sums, norms, weights [B, L])``: the clip pipeline over the captured layers.
 
         ``params``: the parameters in the order of ``C`` (one bound, or one per parameter with
@@ -732,12 +734,18 @@ class BKBatch:
         (float64), norms (times ``norm_scale``), the clip mode's weights (fp32, rounded toward zero;
         0 for dropped samples), then the weighted sums, one per parameter (fp32; zero for a
         parameter no layer saw).
+
+        ``buffers``: a dict the caller keeps from step to step (an optimizer's), where the Linear and
+        Embedding weights' sums are written: the returned sums are then those buffers, valid until
+        the next call with the same dict. On the CPU a fresh weight-sized sum faults in its pages
+        every step (docs/BENCHMARKS.md, "Book-keeping").
         """
         return _clipped_sums(self.sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend,
-                             norm_scale=norm_scale)  # fmt: skip
+                             norm_scale=norm_scale, buffers=buffers)  # fmt: skip
 
 
-def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0):
+def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend, *, norm_scale=1.0,
+                  buffers=None):  # fmt: skip
     L = len(params)
     index = {id(p): i for i, p in enumerate(params)}
     aux = _Aux(params, shift, scale)
@@ -773,7 +781,7 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
         start += B
         if bool(bad_f.any()):
             mb = {rule: [c.without(~bad_f) for c in calls] for rule, calls in mb.items()}
-        per_param = _ParamWeights(wf, index)
+        per_param = _ParamWeights(wf, index, sums, buffers)
         for rule, calls in mb.items():
             for p, s in rule.sums(calls, per_param, backend).items():
                 _add(sums, index[id(p)], s)
@@ -794,7 +802,7 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
 
 def _add(sums: list, j: int, s: Tensor) -> None:
     s = s.float()
-    sums[j] = s if sums[j] is None else sums[j] + s
+    sums[j] = s if sums[j] is None else sums[j].add_(s)  # sums[j] is this step's own (a result or a buffer)
 
 
 def _pick(xs, idx):
@@ -802,10 +810,20 @@ def _pick(xs, idx):
 
 
 class _ParamWeights:
-    """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column."""
+    """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column; ``out(p)``: where a rule may
+    write ``p``'s fp32 weighted sum, the buffer kept for ``p`` in ``buffers`` (made on first use),
+    while ``p`` has no sum yet this step (later contributions are added to it), else None."""
 
-    def __init__(self, w: Tensor, index: dict):
-        self.w, self.index = w, index
+    def __init__(self, w: Tensor, index: dict, sums: list, buffers: dict | None):
+        self.w, self.index, self.sums, self.buffers = w, index, sums, buffers
 
     def __getitem__(self, p) -> Tensor:
         return self.w[:, self.index[id(p)]].contiguous()
+
+    def out(self, p) -> Tensor | None:
+        if self.buffers is None or self.sums[self.index[id(p)]] is not None:
+            return None
+        buf = self.buffers.get(id(p))
+        if buf is None or buf.shape != p.shape or buf.device != p.device:
+            buf = self.buffers[id(p)] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        return buf

@@ -81,15 +81,15 @@ CONV_GRAM_CROSSOVER = 0.025
 # --------------------------------------------------------------------------------------------
 # The layers family: every backend implements
 #   linear_sumsq(a, g, s_out, s_in, scale, shift, method) -> float64 [B]
-#   linear_weighted_sum(a, g, weights) -> float32 [d_out, d_in] (float64 for float64 input)
+#   linear_weighted_sum(a, g, weights, out) -> float32 [d_out, d_in] (float64 for float64 input)
 #   embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift) -> float64 [B]
-#   embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx) -> [V, d], as above
+#   embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out) -> [V, d], as above
 #   conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method) -> float64 [B]
 #   conv2d_weighted_sum(x, g, weights, weight_shape, geom) -> weight_shape, as above
 # on validated input: a, g [B, T, d]; ids [B, T] int64 in range; scale either dense [d_out, d_in]
 # (s_out = s_in = None) or rank one (scale = None); x [B, C_in, H, W] and g [B, C_out, H_out,
 # W_out] contiguous, scale/shift of a conv None or shaped like its weight; method resolved (not
-# "auto").
+# "auto"); out None or a checked buffer of the result's dtype and shape, written and returned.
 # --------------------------------------------------------------------------------------------
 
 
@@ -111,16 +111,16 @@ class _ReferenceLayers:
         return ref.linear_sumsq(a, g, (s_out, s_in) if s_out is not None else scale, shift)
 
     @staticmethod
-    def linear_weighted_sum(a, g, weights):
-        return ref.linear_weighted_sum(a, g, weights)
+    def linear_weighted_sum(a, g, weights, out):
+        return _into(out, ref.linear_weighted_sum(a, g, weights))
 
     @staticmethod
     def embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift):
         return ref.embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift)
 
     @staticmethod
-    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx):
-        return ref.embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx)
+    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out):
+        return _into(out, ref.embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx))
 
     @staticmethod
     def conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method):
@@ -129,6 +129,10 @@ class _ReferenceLayers:
     @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
         return ref.conv2d_weighted_sum(x, g, weights, weight_shape, *geom[1:])
+
+
+def _into(out: Tensor | None, result: Tensor) -> Tensor:
+    return result if out is None else out.copy_(result)
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -180,7 +184,7 @@ class _AtenLayers:
         return torch.ops.dpkernels_C.per_sample_sumsq(list(rows), [1.0], [], list(scales or []))
 
     @staticmethod
-    def linear_weighted_sum(a, g, weights):
+    def linear_weighted_sum(a, g, weights, out):
         """``(w ⊙ G)ᵀ A`` with ``w`` folded into the narrower of ``A`` and ``G`` (``Gᵀ(w ⊙ A)``)."""
         dt = _acc_dtype(a)
         a, g = a.to(dt), g.to(dt)
@@ -189,7 +193,7 @@ class _AtenLayers:
             a = a * w
         else:
             g = g * w
-        return g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+        return torch.mm(g.reshape(-1, g.shape[-1]).T, a.reshape(-1, a.shape[-1]), out=out)
 
     @staticmethod
     def embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift):
@@ -212,10 +216,11 @@ class _AtenLayers:
         return out.index_add_(0, keys // num_embeddings, terms)
 
     @staticmethod
-    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx):
+    def embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out):
         dt = _acc_dtype(g)
         flat = (g.to(dt) * weights.to(dt)[:, None, None]).reshape(-1, g.shape[-1])
-        out = torch.zeros(num_embeddings, g.shape[-1], dtype=dt, device=g.device).index_add_(0, ids.reshape(-1), flat)
+        out = torch.zeros(num_embeddings, g.shape[-1], dtype=dt, device=g.device) if out is None else out.zero_()
+        out.index_add_(0, ids.reshape(-1), flat)
         if padding_idx is not None:
             out[padding_idx] = 0
         return out
@@ -539,17 +544,41 @@ def _check_weights(weights, B: int, device) -> Tensor:
     return weights.contiguous()
 
 
-def linear_weighted_sum(a: Tensor, g: Tensor, weights: Tensor, *, backend: str = "auto") -> Tensor:
+def _check_out(out, shape: tuple[int, ...], dtype: torch.dtype, inputs: tuple[Tensor, ...]) -> None:
+    """A weighted sum's ``out``: None, or a contiguous ``dtype`` tensor of ``shape`` on the inputs'
+    device that shares no memory with them (a GEMM into its own operand reads what it overwrites)."""
+    if out is None:
+        return
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must be {dtype} (the result's dtype for these inputs), got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {list(shape)}, got {tuple(out.shape)}")
+    if out.device != inputs[0].device:
+        raise ValueError(f"out is on {out.device} but the inputs are on {inputs[0].device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+        raise ValueError("out must not share memory with the inputs")
+
+
+def linear_weighted_sum(a: Tensor, g: Tensor, weights: Tensor, *, out: Tensor | None = None,
+                        backend: str = "auto") -> Tensor:  # fmt: skip
     """The clipped sum of a linear layer's weight gradients, ``Σ_i w_i G_iᵀ A_i = (w ⊙ G)ᵀ A``:
     one GEMM over all ``B·T`` rows. ``a``, ``g`` as :func:`linear_sumsq`; ``weights`` ``[B]``.
+
+    ``out``: optional contiguous tensor of the result's dtype and shape on the inputs' device, not
+    sharing memory with them, written and returned. A training step that reuses one per layer
+    allocates nothing (on the CPU a fresh ``[d_out, d_in]`` result faults in its pages every step).
 
     Returns: float32 ``[d_out, d_in]`` (float64 for float64 input).
     """
     a, g = _linear_inputs(a, g)
     weights = _check_weights(weights, a.shape[0], a.device)
+    _check_out(out, (g.shape[-1], a.shape[-1]), _acc_dtype(a), (a, g, weights))
     backend = _backend.resolve(backend, a.device)
-    out = LAYERS.kernels(backend).linear_weighted_sum(a, g, weights)
-    return out.to(_acc_dtype(a))
+    return LAYERS.kernels(backend).linear_weighted_sum(a, g, weights, out).to(_acc_dtype(a))
 
 
 def _embedding_inputs(ids, g, num_embeddings: int, padding_idx):
@@ -591,13 +620,16 @@ def embedding_sumsq(ids: Tensor, g: Tensor, num_embeddings: int, *, padding_idx:
 
 
 def embedding_weighted_sum(ids: Tensor, g: Tensor, weights: Tensor, num_embeddings: int, *,
-                           padding_idx: int | None = None, backend: str = "auto") -> Tensor:  # fmt: skip
-    """``Σ_i w_i g_i`` for an embedding: ``[num_embeddings, d]``, float32 (float64 for float64 ``g``)."""
+                           padding_idx: int | None = None, out: Tensor | None = None,
+                           backend: str = "auto") -> Tensor:  # fmt: skip
+    """``Σ_i w_i g_i`` for an embedding: ``[num_embeddings, d]``, float32 (float64 for float64 ``g``);
+    ``out`` as :func:`linear_weighted_sum`'s."""
     ids, g = _embedding_inputs(ids, g, num_embeddings, padding_idx)
     weights = _check_weights(weights, ids.shape[0], g.device)
+    _check_out(out, (num_embeddings, g.shape[-1]), _acc_dtype(g), (ids, g, weights))
     backend = _backend.resolve(backend, g.device)
-    out = LAYERS.kernels(backend).embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx)
-    return out.to(_acc_dtype(g))
+    result = LAYERS.kernels(backend).embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out)
+    return result.to(_acc_dtype(g))
 
 
 def conv2d_patches(x: Tensor, g: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1):

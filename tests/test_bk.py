@@ -257,6 +257,34 @@ def test_gradient_accumulation_and_sum_reduction(backend_device):
         bk.unwrap()
 
 
+def test_sum_buffers_are_reused_across_steps(backend_device):
+    """An optimizer's sum buffers (``BKBatch.clipped_sums(buffers=...)``), poisoned with NaN before
+    each step: two steps of two micro-batches give the sums computed without buffers, and every
+    Linear and Embedding weight's sum is its buffer, the same one in both steps."""
+    backend, dev = backend_device
+    model = _build("transformer", device=dev)
+    bk = BKModule(model)
+    params = list(bk.trainable_parameters())
+    n_buffered = sum(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    buffers, owned = {}, None
+    for _ in range(2):
+        for x, y in (_batch("transformer", 3, dev), _batch("transformer", 2, dev)):
+            _loss(bk(x), y).backward()
+        batch = bk.batch()
+        args = (params, [1.0], [0.5], "clip", 0.0, None, None, False, "raise", backend)
+        want, want_n, _ = batch.clipped_sums(*args)
+        for buf in buffers.values():
+            buf.fill_(float("nan"))
+        got, norms, _ = batch.clipped_sums(*args, buffers=buffers)
+        torch.testing.assert_close(norms, want_n)
+        _close_sums(got, want, rtol=1e-6)
+        ptrs = {b.data_ptr() for b in buffers.values()}
+        assert len(ptrs) == n_buffered and sum(s.data_ptr() in ptrs for s in got) == n_buffered
+        assert owned is None or ptrs == owned
+        owned = ptrs
+        bk.clear()
+
+
 def test_empty_batch_gives_zero_sums(backend_device):
     backend, dev = backend_device
     model = _build("mlp", device=dev)

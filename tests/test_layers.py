@@ -123,6 +123,30 @@ def test_linear_weighted_sum(backend_device, shape, dtype):
     torch.testing.assert_close(out.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_weighted_sums_into_out(backend_device):
+    """``out=``: the result written into a NaN-poisoned buffer, which is returned; bad buffers raise."""
+    backend, device = backend_device
+    a, g, w = torch.randn(3, 5, 7, device=device), torch.randn(3, 5, 4, device=device), torch.rand(3, device=device)
+    out = torch.full((4, 7), float("nan"), device=device)
+    assert L.linear_weighted_sum(a, g, w, out=out, backend=backend) is out
+    torch.testing.assert_close(out, L.linear_weighted_sum(a, g, w, backend=backend), rtol=1e-6, atol=1e-6)
+    ids = torch.randint(0, 9, (3, 5), device=device)
+    emb = torch.full((9, 4), float("nan"), device=device)
+    assert L.embedding_weighted_sum(ids, g, w, 9, padding_idx=2, out=emb, backend=backend) is emb
+    torch.testing.assert_close(emb, L.embedding_weighted_sum(ids, g, w, 9, padding_idx=2, backend=backend))
+    bad = [
+        (torch.zeros(4, 7, dtype=torch.float64, device=device), TypeError, "float32"),
+        (torch.zeros(7, 4, device=device), ValueError, "shape"),
+        (torch.zeros(7, 4, device=device).T, ValueError, "contiguous"),
+        (torch.zeros(4, 7, device="meta"), ValueError, "is on meta"),
+        (a.view(-1)[:28].view(4, 7), ValueError, "share memory"),
+        ([[0.0] * 7] * 4, TypeError, "must be a tensor"),
+    ]
+    for buf, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            L.linear_weighted_sum(a, g, w, out=buf, backend=backend)
+
+
 def test_empty_batch(backend_device):
     backend, device = backend_device
     a, g = torch.randn(0, 3, 4, device=device), torch.randn(0, 3, 5, device=device)

@@ -296,6 +296,9 @@ class DPOptimizer(torch.optim.Optimizer):
         #: ``e`` starts there (a ZeRO-1 shard, :class:`~dpkernels.optim._distributed.ShardedDPOptimizer`)
         self._noise_offset = 0
         self._step = 0
+        #: book-keeping steps write the Linear and Embedding weights' clipped sums here, one buffer per
+        #: parameter reused every step (BKBatch.clipped_sums); scratch, not state
+        self._sum_buffers: dict = {}
         for p in params:
             self.state[p] = self._init_state(p)
         self.rng = args.rng
@@ -793,7 +796,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if isinstance(grad_sets, BKBatch):
             sums, _, w = grad_sets.clipped_sums(
                 params, coeffs, [C], self.mode, self.r, shift, scale, False, "raise", self.backend,
-                norm_scale=plan.norm_scale,
+                norm_scale=plan.norm_scale, buffers=self._sum_buffers,
             )  # fmt: skip
         else:
             flat = [g.contiguous() for gs in grad_sets for g in gs]
