@@ -735,10 +735,10 @@ class BKBatch:
         0 for dropped samples), then the weighted sums, one per parameter (fp32; zero for a
         parameter no layer saw).
 
-        ``buffers``: a dict the caller keeps from step to step (an optimizer's), where the Linear and
-        Embedding weights' sums are written: the returned sums are then those buffers, valid until
-        the next call with the same dict. On the CPU a fresh weight-sized sum faults in its pages
-        every step (docs/BENCHMARKS.md, "Book-keeping").
+        ``buffers``: a dict the caller keeps from step to step (an optimizer's), where the sums of the
+        Linear and Embedding weights on the CPU are written: the returned sums are then those
+        buffers, valid until the next call with the same dict. A fresh weight-sized sum can fault in
+        its pages every step (docs/BENCHMARKS.md, "Book-keeping").
         """
         return _clipped_sums(self.sets, coeffs, params, C, mode, r, shift, scale, per_layer, nonfinite, backend,
                              norm_scale=norm_scale, buffers=buffers)  # fmt: skip
@@ -812,7 +812,9 @@ def _pick(xs, idx):
 class _ParamWeights:
     """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column; ``out(p)``: where a rule may
     write ``p``'s fp32 weighted sum, the buffer kept for ``p`` in ``buffers`` (made on first use),
-    while ``p`` has no sum yet this step (later contributions are added to it), else None."""
+    while ``p`` has no sum yet this step (later contributions are added to it), else None. CPU
+    parameters only: CUDA's caching allocator already reuses the memory of a step's sums, and a
+    buffer kept through the forward would only add to its peak."""
 
     def __init__(self, w: Tensor, index: dict, sums: list, buffers: dict | None):
         self.w, self.index, self.sums, self.buffers = w, index, sums, buffers
@@ -821,7 +823,7 @@ class _ParamWeights:
         return self.w[:, self.index[id(p)]].contiguous()
 
     def out(self, p) -> Tensor | None:
-        if self.buffers is None or self.sums[self.index[id(p)]] is not None:
+        if self.buffers is None or p.device.type != "cpu" or self.sums[self.index[id(p)]] is not None:
             return None
         buf = self.buffers.get(id(p))
         if buf is None or buf.shape != p.shape or buf.device != p.device:

@@ -296,8 +296,8 @@ class DPOptimizer(torch.optim.Optimizer):
         #: ``e`` starts there (a ZeRO-1 shard, :class:`~dpkernels.optim._distributed.ShardedDPOptimizer`)
         self._noise_offset = 0
         self._step = 0
-        #: book-keeping steps write the Linear and Embedding weights' clipped sums here, one buffer per
-        #: parameter reused every step (BKBatch.clipped_sums); scratch, not state
+        #: book-keeping steps on the CPU write the Linear and Embedding weights' clipped sums here, one
+        #: buffer per parameter reused every step (BKBatch.clipped_sums); scratch, not state
         self._sum_buffers: dict = {}
         for p in params:
             self.state[p] = self._init_state(p)
