@@ -58,9 +58,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The Gram form's tiling per device: (rows per row block of T, elements per Gram chunk). On the
 # CPU, for T > 64, the upper block rows only (row blocks of 64: about (1 + 64/T)/2 of the flops),
 # and Grams over 1 MiB a chunk of samples at a time into two buffers reused: fresh [B, T, T]
-# Grams fault in their pages on every call (10,208 faults, 3 times the two GEMMs' time, for B = 32,
-# T = 256 on a 2-core EPYC; docs/BENCHMARKS.md, "Book-keeping"). On a GPU the whole Grams: fewest
-# launches.
+# Grams can fault in their pages on every call (10,208 faults and 4x the two GEMMs' time at B = 32,
+# T = 256, d = 64 on a 2-core EPYC; docs/BENCHMARKS.md, "Book-keeping"). On a GPU the whole Grams:
+# fewest launches.
 _GRAM_TILING = {"cpu": (64, 1 << 18)}
 _GRAM_TILING_DEFAULT = (None, 1 << 24)
 # A conv's explicit im2col patches (Gram form) are built a chunk of samples at a time, at
