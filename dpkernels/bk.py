@@ -280,7 +280,7 @@ class _LinearRule(_WrappedRule):
         if not m.weight.requires_grad:
             return {}
         a, g, alpha = self.prepared(calls, last=True)
-        out = None if a.dtype == torch.float64 else weights.out(m.weight)  # float64 layers sum in float64
+        out = weights.out(m.weight, a.dtype)
         return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, out=out, backend=backend)}
 
 
@@ -405,7 +405,7 @@ class _EmbeddingRule(_WrappedRule):
     def sums(self, calls, weights, backend):
         m = self.module
         ids, g, alpha = self.prepared(calls, last=True)
-        out = None if g.dtype == torch.float64 else weights.out(m.weight)  # float64 layers sum in float64
+        out = weights.out(m.weight, g.dtype)
         s = embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, padding_idx=m.padding_idx,
                                    out=out, backend=backend)  # fmt: skip
         return {m.weight: s}
@@ -810,11 +810,12 @@ def _pick(xs, idx):
 
 
 class _ParamWeights:
-    """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column; ``out(p)``: where a rule may
-    write ``p``'s fp32 weighted sum, the buffer kept for ``p`` in ``buffers`` (made on first use),
-    while ``p`` has no sum yet this step (later contributions are added to it), else None. CPU
-    parameters only: CUDA's caching allocator already reuses the memory of a step's sums, and a
-    buffer kept through the forward would only add to its peak."""
+    """``weights[p]``: the ``[B]`` weights of parameter ``p``'s column; ``out(p, dtype)``: where a rule
+    whose inputs are ``dtype`` may write ``p``'s fp32 weighted sum, the buffer kept for ``p`` in
+    ``buffers`` (made on first use), while ``p`` has no sum yet this step (later contributions are
+    added to it), else None. Not for float64 inputs, whose sums are float64, nor off the CPU:
+    CUDA's caching allocator already reuses the memory of a step's sums, and a buffer kept through
+    the forward would only add to its peak."""
 
     def __init__(self, w: Tensor, index: dict, sums: list, buffers: dict | None):
         self.w, self.index, self.sums, self.buffers = w, index, sums, buffers
@@ -822,10 +823,12 @@ class _ParamWeights:
     def __getitem__(self, p) -> Tensor:
         return self.w[:, self.index[id(p)]].contiguous()
 
-    def out(self, p) -> Tensor | None:
-        if self.buffers is None or p.device.type != "cpu" or self.sums[self.index[id(p)]] is not None:
+    def out(self, p, dtype: torch.dtype) -> Tensor | None:
+        if self.buffers is None or dtype == torch.float64 or p.device.type != "cpu":
+            return None
+        if self.sums[self.index[id(p)]] is not None:
             return None
         buf = self.buffers.get(id(p))
-        if buf is None or buf.shape != p.shape or buf.device != p.device:
+        if buf is None or buf.shape != p.shape:
             buf = self.buffers[id(p)] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         return buf

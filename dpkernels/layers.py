@@ -306,8 +306,9 @@ def _gram_sumsq(a, g):
         hi = min(T, lo + rows)
         h, w = hi - lo, T - lo
         step = max(1, chunk // (h * w))
-        if buf_a.numel() < min(step, B) * h * w:
-            buf_a, buf_g = a.new_empty(min(step, B) * h * w), a.new_empty(min(step, B) * h * w)
+        need = min(step, B) * h * w
+        if buf_a.numel() < need:
+            buf_a, buf_g = a.new_empty(need), a.new_empty(need)
         for s in range(0, B, step):
             e = min(B, s + step)
             shape = (e - s, h, w)
@@ -549,14 +550,9 @@ def _check_out(out, shape: tuple[int, ...], dtype: torch.dtype, inputs: tuple[Te
     device that shares no memory with them (a GEMM into its own operand reads what it overwrites)."""
     if out is None:
         return
-    if not isinstance(out, Tensor):
-        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    _check_like("out", out, shape, inputs[0].device)
     if out.dtype != dtype:
         raise TypeError(f"out must be {dtype} (the result's dtype for these inputs), got {out.dtype}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out must have shape {list(shape)}, got {tuple(out.shape)}")
-    if out.device != inputs[0].device:
-        raise ValueError(f"out is on {out.device} but the inputs are on {inputs[0].device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
