@@ -101,4 +101,9 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "conv2d_sumsq_tiled(Tensor x, Tensor g, int[2] kernel_size, int[2] stride, int[2] padding, int[2] "
       "dilation, Tensor? scale, Tensor? shift) -> Tensor");
+  // Its clipped sum Σ_i weights[i] g_iᵀ a_i (weights float32 [B]) from the same inputs: float32 [O, C,
+  // kh, kw], products and sums in fp32 (CPU only: CUDA's is cuDNN's weight gradient, dpkernels/layers.py).
+  m.def(
+      "conv2d_weighted_sum(Tensor x, Tensor g, Tensor weights, int[2] kernel_size, int[2] stride, int[2] "
+      "padding, int[2] dilation) -> Tensor");
 }

@@ -44,13 +44,14 @@ from torch import Tensor, nn
 from . import _backend
 from .clip import CLIP, _check_max_grad_norm, _check_mode, _in_range, _overflow_error
 from .layers import (
+    Conv2dGeometry,
+    _conv2d_sumsq,
+    _conv2d_weighted_sum,
+    _embedding_sumsq,
+    _embedding_weighted_sum,
+    _linear_sumsq,
+    _linear_weighted_sum,
     conv2d_patches,
-    conv2d_sumsq,
-    conv2d_weighted_sum,
-    embedding_sumsq,
-    embedding_weighted_sum,
-    linear_sumsq,
-    linear_weighted_sum,
 )
 from .reference import clip as ref_clip
 
@@ -260,7 +261,7 @@ class _LinearRule(_WrappedRule):
         a = _cat([_positions(c.inputs[0]) for c in calls])
         g, alpha = _cat_grads(calls)
         dt = torch.promote_types(a.dtype, g.dtype)
-        return a.to(dt), g.to(dt), alpha
+        return a.to(dt).contiguous(), g.to(dt).contiguous(), alpha
 
     def norms(self, calls, aux, backend):
         m = self.module
@@ -270,7 +271,7 @@ class _LinearRule(_WrappedRule):
             shift = aux.shift(m.weight)
             if shift is not None and alpha != 1.0:  # ‖S ⊙ (αg − M)‖ is not homogeneous in α
                 g, alpha = g * alpha, 1.0
-            sq = linear_sumsq(a, g, scale=aux.scale(m.weight), shift=shift, backend=backend)
+            sq = _linear_sumsq(a, g, None, None, aux.scale(m.weight), shift, "auto", backend)
             out[m.weight] = sq * (alpha * alpha) if alpha != 1.0 else sq
         mat = {m.bias: g.sum(1) * alpha} if m.bias is not None and m.bias.requires_grad else {}
         return out, mat
@@ -281,7 +282,7 @@ class _LinearRule(_WrappedRule):
             return {}
         a, g, alpha = self.prepared(calls, last=True)
         out = weights.out(m.weight, a.dtype)
-        return {m.weight: linear_weighted_sum(a, g, weights[m.weight] * alpha, out=out, backend=backend)}
+        return {m.weight: _linear_weighted_sum(a, g, weights[m.weight] * alpha, out, backend)}
 
 
 def _cat(xs: list[Tensor]) -> Tensor:
@@ -306,15 +307,15 @@ class _Conv2dRule(_WrappedRule):
         padding = (0, 0) if m.padding == "valid" else m.padding
         return (m.stride, padding, m.dilation, m.groups)
 
+    def geometry(self) -> Conv2dGeometry:
+        m = self.module
+        return Conv2dGeometry(m.kernel_size, *self.conv_args())
+
     def call(self, bk, x):
         m = self.module
         if not _records(bk, m):
             return m._conv_forward(x, m.weight, m.bias)
         return _WeightFn.apply(x, m.weight, m.bias, self.rec, bk.fid, self.conv_args())
-
-    def geometry(self) -> dict:
-        stride, padding, dilation, groups = self.conv_args()
-        return dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
 
     def prepare(self, calls):
         """Several calls: per group ``(A, G)`` over im2col patches, the calls concatenated along ``T``."""
@@ -336,16 +337,16 @@ class _Conv2dRule(_WrappedRule):
             scale, shift = aux.scale(m.weight), aux.shift(m.weight)
             if len(calls) == 1:
                 (c,) = calls
-                x, g, alpha = c.inputs[0], c.grad.to(c.inputs[0].dtype), c.alpha
+                x, g, alpha = c.inputs[0].contiguous(), c.grad.to(c.inputs[0].dtype).contiguous(), c.alpha
                 if shift is not None and alpha != 1.0:  # ‖S ⊙ (αg − M)‖ is not homogeneous in α
                     g, alpha = g * alpha, 1.0
-                sq = conv2d_sumsq(x, g, m.weight.shape, scale=scale, shift=shift, backend=backend, **self.geometry())
+                sq = _conv2d_sumsq(x, g, tuple(m.weight.shape), self.geometry(), scale, shift, "auto", backend)
                 out[m.weight] = sq * (alpha * alpha) if alpha != 1.0 else sq
             else:
                 total = 0
                 for j, (a, g) in enumerate(self.prepared(calls)):
-                    total = total + linear_sumsq(a, g, scale=_rows(scale, m.groups, j),
-                                                 shift=_rows(shift, m.groups, j), backend=backend)  # fmt: skip
+                    total = total + _linear_sumsq(a, g, None, None, _rows(scale, m.groups, j),
+                                                  _rows(shift, m.groups, j), "auto", backend)  # fmt: skip
                 out[m.weight] = total
         mat = {}
         if m.bias is not None and m.bias.requires_grad:
@@ -359,11 +360,10 @@ class _Conv2dRule(_WrappedRule):
         w = weights[m.weight]
         if len(calls) == 1:
             (c,) = calls
-            x = c.inputs[0]
-            s = conv2d_weighted_sum(x, c.grad.to(x.dtype), w * c.alpha, m.weight.shape, backend=backend,
-                                    **self.geometry())  # fmt: skip
-            return {m.weight: s}
-        parts = [linear_weighted_sum(a, g, w, backend=backend) for a, g in self.prepared(calls, last=True)]
+            x = c.inputs[0].contiguous()
+            g = c.grad.to(x.dtype).contiguous()
+            return {m.weight: _conv2d_weighted_sum(x, g, w * c.alpha, tuple(m.weight.shape), self.geometry(), backend)}
+        parts = [_linear_weighted_sum(a, g, w, None, backend) for a, g in self.prepared(calls, last=True)]
         return {m.weight: torch.cat(parts).view(m.weight.shape)}
 
 
@@ -389,7 +389,7 @@ class _EmbeddingRule(_WrappedRule):
     def prepare(self, calls):
         ids = _cat([_positions(c.inputs[0][..., None])[..., 0] for c in calls])
         g, alpha = _cat_grads(calls)
-        return ids, g, alpha
+        return ids.long().contiguous(), g.contiguous(), alpha
 
     def norms(self, calls, aux, backend):
         m = self.module
@@ -398,16 +398,14 @@ class _EmbeddingRule(_WrappedRule):
         shift = aux.shift(w)
         if shift is not None and alpha != 1.0:
             g, alpha = g * alpha, 1.0
-        sq = embedding_sumsq(ids, g, m.num_embeddings, padding_idx=m.padding_idx, scale=aux.scale(w), shift=shift,
-                             backend=backend)  # fmt: skip
+        sq = _embedding_sumsq(ids, g, m.num_embeddings, m.padding_idx, aux.scale(w), shift, backend)
         return {w: sq * (alpha * alpha) if alpha != 1.0 else sq}, {}
 
     def sums(self, calls, weights, backend):
         m = self.module
         ids, g, alpha = self.prepared(calls, last=True)
         out = weights.out(m.weight, g.dtype)
-        s = embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, padding_idx=m.padding_idx,
-                                   out=out, backend=backend)  # fmt: skip
+        s = _embedding_weighted_sum(ids, g, weights[m.weight] * alpha, m.num_embeddings, m.padding_idx, out, backend)
         return {m.weight: s}
 
 
@@ -524,6 +522,25 @@ class _GroupNormRule(_SamplerRule):
             self.done[fid].append(_Grads(tuple(grads[p].view(batch, -1) for p in self.params), None, 1.0))
 
 
+def _checked_aux(name: str, ts, params) -> list[Tensor] | None:
+    """``ts``: None, or one floating-point tensor per parameter, shaped like it and on its device
+    (returned contiguous)."""
+    if ts is None:
+        return None
+    if len(ts) != len(params):
+        raise ValueError(f"{name} must hold one tensor per trainable parameter ({len(params)}), got {len(ts)}")
+    out = []
+    for i, (t, p) in enumerate(zip(ts, params, strict=True)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}[{i}] must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape != p.shape:
+            raise ValueError(f"{name}[{i}] must be shaped like its parameter {list(p.shape)}, got {list(t.shape)}")
+        if t.device != p.device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but its parameter is on {p.device}")
+        out.append(t.contiguous())
+    return out
+
+
 def _rule_for(module: nn.Module) -> _Rule:
     if type(module) is nn.Linear:
         return _LinearRule(module)
@@ -542,11 +559,12 @@ def _rule_for(module: nn.Module) -> _Rule:
 
 
 class _Aux:
-    """The per-parameter ``shift``/``scale`` lists of the clip, looked up by parameter."""
+    """The per-parameter ``shift``/``scale`` lists of the clip, looked up by parameter: checked here
+    once (the rules pass them to the layer ops unchecked)."""
 
     def __init__(self, params, shift, scale):
         self.index = {id(p): i for i, p in enumerate(params)}
-        self._shift, self._scale = shift, scale
+        self._shift, self._scale = _checked_aux("shift", shift, params), _checked_aux("scale", scale, params)
 
     def shift(self, p):
         return None if self._shift is None else self._shift[self.index[id(p)]]
@@ -818,10 +836,10 @@ class _ParamWeights:
     the forward would only add to its peak."""
 
     def __init__(self, w: Tensor, index: dict, sums: list, buffers: dict | None):
-        self.w, self.index, self.sums, self.buffers = w, index, sums, buffers
+        self.cols, self.index, self.sums, self.buffers = w.T.contiguous(), index, sums, buffers
 
     def __getitem__(self, p) -> Tensor:
-        return self.w[:, self.index[id(p)]].contiguous()
+        return self.cols[self.index[id(p)]]
 
     def out(self, p, dtype: torch.dtype) -> Tensor | None:
         if self.buffers is None or dtype == torch.float64 or p.device.type != "cpu":

@@ -250,12 +250,13 @@ def _check_weighted_sum(sets, weights: Tensor, coeffs: list[float], sums: list[T
 
 def _in_range(tensors: list[Tensor]) -> bool:
     """Every element finite and within the first tensor's dtype range: one ``aminmax`` pass per
-    tensor (NaN propagates into both extremes), one sync. An inf-norm (``_foreach_norm``) takes
-    20x as long on the CPU: 5.7 ms against 0.29 ms for 4.2 M fp32 elements."""
+    tensor (NaN propagates into both extremes), one sync; ``stack`` promotes the extremes to the
+    widest dtype exactly. An inf-norm (``_foreach_norm``) takes 20x as long on the CPU: 5.7 ms
+    against 0.29 ms for 4.2 M fp32 elements."""
     parts = [t for t in tensors if t.numel()]
     if not parts:
         return True
-    extremes = torch.stack([v.double() for t in parts for v in t.aminmax()])
+    extremes = torch.stack([v for t in parts for v in t.aminmax()])
     return bool((extremes.abs() <= torch.finfo(parts[0].dtype).max).all())
 
 

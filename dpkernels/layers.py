@@ -379,6 +379,22 @@ def _conv_gram_sumsq(x, g, geom, shift):
     return torch.cat(parts)
 
 
+class _CpuLayers(_AtenLayers):
+    """cpu: the conv's clipped sum as the direct kernel of its tiled norm (no patches, ``w`` folded into
+    the packed ``G``), faster in a training step than the framework's weight gradient (oneDNN)
+    with ``w`` folded into a copy of an operand (docs/BENCHMARKS.md, "Book-keeping")."""
+
+    @staticmethod
+    def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
+        if x.dtype == torch.float64:
+            return _AtenLayers.conv2d_weighted_sum(x, g, weights, weight_shape, geom)
+        w = weights.float().contiguous()
+        parts = [torch.ops.dpkernels_C.conv2d_weighted_sum(xj, gj, w, geom.kernel_size, geom.stride, geom.padding,
+                                                           geom.dilation)
+                 for xj, gj in _group_views(x, g, geom.groups)]  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class _TritonLayers(_AtenLayers):
     """triton: the ATen GEMMs of the native backends, the tiled product in Triton."""
 
@@ -414,6 +430,11 @@ if _backend.has_native_ops():
         torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_sumsq_tiled takes [B, C, H, W] x and g")
         return x.new_empty((x.shape[0],), dtype=torch.float32)
 
+    @torch.library.register_fake("dpkernels_C::conv2d_weighted_sum")
+    def _(x, g, weights, kernel_size, stride, padding, dilation):
+        torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_weighted_sum takes [B, C, H, W] x and g")
+        return x.new_empty((g.shape[1], x.shape[1], *kernel_size), dtype=torch.float32)
+
 
 LAYERS = family(
     "layers",
@@ -426,7 +447,7 @@ LAYERS = family(
         "conv2d_weighted_sum",
     ),
     reference=lambda: _ReferenceLayers,
-    cpu=lambda: _AtenLayers,
+    cpu=lambda: _CpuLayers,
     cuda=lambda: _AtenLayers,
     triton=lambda: _TritonLayers,
 )
@@ -504,6 +525,51 @@ def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool) -> str
 
 
 # --------------------------------------------------------------------------------------------
+# Entry points on checked inputs: the public functions below check, then call these; the BK engine
+# (dpkernels/bk.py) calls them directly on what its own layers recorded, whose shapes, dtypes and
+# devices the forward and backward already fixed. The checks cost ~25 µs a call on the CPU, a
+# tenth of a small conv layer's whole private step (docs/BENCHMARKS.md, "Book-keeping").
+# Arguments as the family's kernels take them (the comment above LAYERS' kernels), backend
+# resolved; method "auto" or a method name.
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_sumsq(a, g, s_out, s_in, dense, shift, method, backend):
+    B, T, d_in = a.shape
+    method = _pick_method(method, T, g.shape[-1], d_in, dense is not None)
+    if B == 0:
+        return torch.zeros(0, dtype=torch.float64, device=a.device)
+    return LAYERS.kernels(backend).linear_sumsq(a, g, s_out, s_in, dense, shift, method)
+
+
+def _linear_weighted_sum(a, g, weights, out, backend):
+    return LAYERS.kernels(backend).linear_weighted_sum(a, g, weights, out).to(_acc_dtype(a))
+
+
+def _embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift, backend):
+    return LAYERS.kernels(backend).embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift)
+
+
+def _embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out, backend):
+    result = LAYERS.kernels(backend).embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out)
+    return result.to(_acc_dtype(g))
+
+
+def _conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method, backend):
+    T, d_out, d_in = g.shape[2] * g.shape[3], weight_shape[0] // geom.groups, math.prod(weight_shape[1:])
+    method = _pick_conv_method(method, T, d_out, d_in, scale is not None)
+    if x.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64, device=x.device)
+    return LAYERS.kernels(backend).conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method)
+
+
+def _conv2d_weighted_sum(x, g, weights, weight_shape, geom, backend):
+    if x.shape[0] == 0:
+        return torch.zeros(weight_shape, dtype=_acc_dtype(x), device=x.device)
+    return LAYERS.kernels(backend).conv2d_weighted_sum(x, g, weights, weight_shape, geom).to(_acc_dtype(x))
+
+
+# --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
 
@@ -525,14 +591,8 @@ def linear_sumsq(a: Tensor, g: Tensor, *, scale=None, shift: Tensor | None = Non
     squares accumulated in float64; the Gram and shift forms are clamped at 0.
     """
     a, g = _linear_inputs(a, g)
-    B, T, d_in = a.shape
-    d_out = g.shape[-1]
-    s_out, s_in, dense, shift = _linear_scale(scale, shift, d_out, d_in, a.device)
-    method = _pick_method(method, T, d_out, d_in, dense is not None)
-    backend = _backend.resolve(backend, a.device)
-    if B == 0:
-        return torch.zeros(0, dtype=torch.float64, device=a.device)
-    return LAYERS.kernels(backend).linear_sumsq(a, g, s_out, s_in, dense, shift, method)
+    s_out, s_in, dense, shift = _linear_scale(scale, shift, g.shape[-1], a.shape[-1], a.device)
+    return _linear_sumsq(a, g, s_out, s_in, dense, shift, method, _backend.resolve(backend, a.device))
 
 
 def _check_weights(weights, B: int, device) -> Tensor:
@@ -573,8 +633,7 @@ def linear_weighted_sum(a: Tensor, g: Tensor, weights: Tensor, *, out: Tensor | 
     a, g = _linear_inputs(a, g)
     weights = _check_weights(weights, a.shape[0], a.device)
     _check_out(out, (g.shape[-1], a.shape[-1]), _acc_dtype(a), (a, g, weights))
-    backend = _backend.resolve(backend, a.device)
-    return LAYERS.kernels(backend).linear_weighted_sum(a, g, weights, out).to(_acc_dtype(a))
+    return _linear_weighted_sum(a, g, weights, out, _backend.resolve(backend, a.device))
 
 
 def _embedding_inputs(ids, g, num_embeddings: int, padding_idx):
@@ -612,7 +671,7 @@ def embedding_sumsq(ids: Tensor, g: Tensor, num_embeddings: int, *, padding_idx:
     scale = None if scale is None else _check_like("scale", scale, shape, g.device)
     shift = None if shift is None else _check_like("shift", shift, shape, g.device)
     backend = _backend.resolve(backend, g.device)
-    return LAYERS.kernels(backend).embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift)
+    return _embedding_sumsq(ids, g, num_embeddings, padding_idx, scale, shift, backend)
 
 
 def embedding_weighted_sum(ids: Tensor, g: Tensor, weights: Tensor, num_embeddings: int, *,
@@ -624,8 +683,7 @@ def embedding_weighted_sum(ids: Tensor, g: Tensor, weights: Tensor, num_embeddin
     weights = _check_weights(weights, ids.shape[0], g.device)
     _check_out(out, (num_embeddings, g.shape[-1]), _acc_dtype(g), (ids, g, weights))
     backend = _backend.resolve(backend, g.device)
-    result = LAYERS.kernels(backend).embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out)
-    return result.to(_acc_dtype(g))
+    return _embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out, backend)
 
 
 def conv2d_patches(x: Tensor, g: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1):
@@ -746,12 +804,7 @@ def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dil
     x, g, weight_shape, geom = _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups)
     scale = _check_weight_like("scale", scale, weight_shape, x.device)
     shift = _check_weight_like("shift", shift, weight_shape, x.device)
-    T, d_out, d_in = g.shape[2] * g.shape[3], weight_shape[0] // groups, math.prod(weight_shape[1:])
-    method = _pick_conv_method(method, T, d_out, d_in, scale is not None)
-    backend = _backend.resolve(backend, x.device)
-    if x.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float64, device=x.device)
-    return LAYERS.kernels(backend).conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method)
+    return _conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method, _backend.resolve(backend, x.device))
 
 
 def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, *, stride=1, padding=0, dilation=1,
@@ -763,8 +816,4 @@ def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, *, 
     """
     x, g, weight_shape, geom = _conv_inputs(x, g, weight_shape, stride, padding, dilation, groups)
     weights = _check_weights(weights, x.shape[0], x.device)
-    backend = _backend.resolve(backend, x.device)
-    if x.shape[0] == 0:
-        return torch.zeros(weight_shape, dtype=_acc_dtype(x), device=x.device)
-    out = LAYERS.kernels(backend).conv2d_weighted_sum(x, g, weights, weight_shape, geom)
-    return out.to(_acc_dtype(x))
+    return _conv2d_weighted_sum(x, g, weights, weight_shape, geom, _backend.resolve(backend, x.device))

@@ -339,6 +339,27 @@ def test_frozen_weight_trainable_bias(backend_device):
     assert all(s.abs().sum() > 0 for s in sums)
 
 
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda ps: [torch.ones(p.numel()) for p in ps], r"scale\[0\] must be shaped like its parameter"),
+        (lambda ps: [torch.ones_like(p) for p in ps[:-1]], "one tensor per trainable parameter"),
+        (lambda ps: [torch.ones_like(p, dtype=torch.int64) for p in ps], r"scale\[0\] must be a floating-point"),
+        (lambda ps: [torch.ones_like(p, device="meta") for p in ps], r"scale\[0\] is on meta"),
+    ],
+)
+def test_bad_shift_scale_raise(bad, match):
+    """The engine checks the per-parameter scale and shift once (its layer ops take them unchecked)."""
+    model = _build("cnn")
+    x, y = _batch("cnn", 3, "cpu")
+    bk = _bk_run(model, [(x, y)])
+    ps = bk.trainable_parameters()
+    with pytest.raises((ValueError, TypeError), match=match):
+        bk.clip_and_accumulate(1.0, scale=bad(ps))
+    with pytest.raises((ValueError, TypeError), match=match.replace("scale", "shift")):
+        bk.clip_and_accumulate(1.0, shift=bad(ps))
+
+
 def test_tied_parameters_raise():
     model = _mlp()
     model.append(nn.Linear(3, 16))

@@ -1,15 +1,16 @@
-"""The native ops ``dpkernels_C::linear_sumsq_tiled`` and ``dpkernels_C::conv2d_sumsq_tiled``
-(csrc/cpu/layers.cpp, csrc/cuda/layers.cu) against the float64 references
-``dpkernels.reference.layers.linear_sumsq`` and ``conv2d_sumsq``: odd shapes (block, tile and chunk
-edges included), every dtype, with and without scale and shift, strided channel views, determinism,
-bad input, and opcheck with the fake kernels registered in ``dpkernels/layers.py``."""
+"""The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::conv2d_sumsq_tiled`` and
+``dpkernels_C::conv2d_weighted_sum`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu) against the float64
+references ``dpkernels.reference.layers.linear_sumsq``, ``conv2d_sumsq`` and ``conv2d_weighted_sum``:
+odd shapes (block, tile and chunk edges included), every dtype, with and without scale and shift,
+strided channel views, determinism, bad input, and opcheck with the fake kernels registered in
+``dpkernels/layers.py``."""
 
 import pytest
 import torch
 
 import dpkernels  # noqa: F401  (loads dpkernels._C)
 from dpkernels import _backend
-from dpkernels.reference.layers import conv2d_sumsq, linear_sumsq
+from dpkernels.reference.layers import conv2d_sumsq, conv2d_weighted_sum, linear_sumsq
 
 pytestmark = pytest.mark.skipif(
     not _backend.has_cpu_kernels() or not hasattr(torch.ops.dpkernels_C, "linear_sumsq_tiled"),
@@ -246,6 +247,98 @@ def test_conv_opcheck():
     geometry = [list(v) for v in shape[5:]]
     op = torch.ops.dpkernels_C.conv2d_sumsq_tiled.default
     for args in ((x, g, *geometry, sc, sh), (x.bfloat16(), g.bfloat16(), *geometry, None, sh)):
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# conv2d_weighted_sum (CPU only: CUDA's clipped sum of a conv is cuDNN's weight gradient). The same
+# shapes, batch sizes that leave the last sample group short (5, 9 over four groups) and B = 1.
+WSUM_SHAPES = [
+    *CONV_SHAPES,
+    (5, 6, 9, 7, 8, (2, 3), (1, 1), (0, 1), (1, 2)),
+    (9, 3, 5, 5, 4, (3, 3), (1, 1), (1, 1), (1, 1)),
+]
+
+
+def _wsum_op(x, g, w, shape):
+    return torch.ops.dpkernels_C.conv2d_weighted_sum(x, g, w, *shape[5:])
+
+
+def _wsum_reference(x, g, w, shape):
+    """The float64 reference and the bound of its rounding: Σ_i |w_i| |g_i|ᵀ|x_i| (the same sum of
+    absolute values), so that the tolerance holds for the entries that cancel."""
+    C_out, ks, st, pd, dl = shape[4:]
+    ws = (C_out, x.shape[1], *ks)
+    x, g = x.double().cpu(), g.double().cpu()
+    ref = conv2d_weighted_sum(x, g, w.cpu(), ws, st, pd, dl, 1)
+    return ref, conv2d_weighted_sum(x.abs(), g.abs(), w.cpu().abs(), ws, st, pd, dl, 1)
+
+
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", WSUM_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-k{s[5][0]}{s[5][1]}")
+def test_conv_weighted_sum_matches_reference(shape, dtype):
+    x, g, _, _ = _conv_inputs(shape, dtype, "cpu", False, False)
+    # weights of both signs, one of them 0 (a dropped sample)
+    w = torch.randn(shape[0], generator=torch.Generator().manual_seed(1))
+    w[0] = 0.0
+    out = _wsum_op(x, g, w, shape)
+    ref, bound = _wsum_reference(x, g, w, shape)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert bool((out.double() - ref).abs().le(1e-5 * bound + 1e-30).all()), (out.double() - ref).abs().max()
+
+
+def test_conv_weighted_sum_channel_slices_and_determinism():
+    """x and g read in place as channel slices; partial sums over fixed sample groups, added in
+    group order: the same bits for any thread count and memory layout."""
+    shape = (9, 40, 20, 19, 150, (3, 3), (1, 1), (1, 1), (1, 1))
+    x, g, _, _ = _conv_inputs(shape, torch.float32, "cpu", False, False, seed=3, extra_channels=2)
+    assert not x.is_contiguous() and not g.is_contiguous()
+    w = torch.rand(9, generator=torch.Generator().manual_seed(2))
+    out = _wsum_op(x, g, w, shape)
+    ref, bound = _wsum_reference(x, g, w, shape)
+    assert bool((out.double() - ref).abs().le(1e-5 * bound).all())
+    assert torch.equal(out, _wsum_op(x.contiguous(), g.contiguous(), w, shape))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(out, _wsum_op(x, g, w, shape))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_conv_weighted_sum_zero_sized():
+    x, g, _, _ = _conv_inputs(CONV_SHAPES[0], torch.float32, "cpu", False, False)
+    out = _wsum_op(x[:0], g[:0], torch.zeros(0), CONV_SHAPES[0])
+    assert out.shape == (5, 3, 3, 3) and not out.any()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(w=torch.rand(3)), r"weights must be \[B\] = \[2\]"),
+        (dict(w=torch.rand(2).double()), "weights must be float32"),
+        (dict(w=torch.rand(4)[::2]), "weights must be contiguous"),
+        (dict(x=torch.randn(2, 3, 7, 6).double()), "supported"),
+        (dict(g=torch.randn(2, 5, 6, 6)), "not the convolution's output size"),
+    ],
+)
+def test_conv_weighted_sum_bad_input(change, match):
+    x, g, _, _ = _conv_inputs(CONV_SHAPES[0], torch.float32, "cpu", False, False)
+    args = dict(x=x, g=g, w=torch.rand(2)) | change
+    if args["x"].dtype != torch.float32:
+        args["g"] = args["g"].to(args["x"].dtype)
+    with pytest.raises(RuntimeError, match=match):
+        _wsum_op(args["x"], args["g"], args["w"], CONV_SHAPES[0])
+
+
+def test_conv_weighted_sum_opcheck():
+    shape = CONV_SHAPES[2]
+    x, g, _, _ = _conv_inputs(shape, torch.float32, "cpu", False, False, extra_channels=1)
+    op = torch.ops.dpkernels_C.conv2d_weighted_sum.default
+    w = torch.rand(shape[0])
+    for args in ((x, g, w, *[list(v) for v in shape[5:]]), (x.half(), g.half(), w, *[list(v) for v in shape[5:]])):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

@@ -1,9 +1,10 @@
-// CPU kernels of dpkernels_C::linear_sumsq_tiled and dpkernels_C::conv2d_sumsq_tiled (schemas in
-// csrc/ops.cpp, math and checks in layers.h): per-sample ‖scale ⊙ (g_iᵀ a_i − shift)‖² without
-// materialising g_iᵀ a_i. Both are GEMMs blocked as in BLIS whose output tile never leaves the
-// registers: the epilogue applies shift and scale to the tile, sums its squares in fp32 and adds
-// that sum to fp64 accumulators. With more positions than one chunk holds, the tiles of a block
-// are parked in a per-thread buffer between chunks (the only time a product value touches memory).
+// CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::conv2d_sumsq_tiled and
+// dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
+// ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i. Both are GEMMs blocked as in BLIS
+// whose output tile never leaves the registers: the epilogue applies shift and scale to the tile,
+// sums its squares in fp32 and adds that sum to fp64 accumulators. With more positions than one
+// chunk holds, the tiles of a block are parked in a per-thread buffer between chunks (the only time
+// a product value touches memory).
 //
 // Linear (LinearKernel). The [d_out, d_in] product is cut into blocks of kBlockO × kBlockK; for
 // one (sample, block) the block's columns of a_i and g_i (a chunk of at most kChunkT positions) are
@@ -27,6 +28,11 @@
 // and g for every block (LinearKernel::block_major). Every (sample, block) writes its own fp64
 // partial and each sample's partials are summed in block order: the result depends neither on the
 // thread count nor on the task order.
+//
+// dpkernels_C::conv2d_weighted_sum, the conv's clipped sum Σ_i w_i g_iᵀ a_i, runs the same direct
+// kernel with w_i folded into the packed g panels and the tiles accumulated over the samples as
+// well (weighted_sum_groups). ATen's weight gradient (oneDNN) costs ~85 µs more a call on a small
+// layer, and as much on the bench's CNN layers (docs/BENCHMARKS.md, "Book-keeping").
 #include "dpkernels/layers.h"
 
 #include <ATen/Parallel.h>
@@ -352,8 +358,8 @@ struct ConvScratch {
   // g_key: a sample's blocks run in a row and share them.
   std::array<int64_t, 2> x_key{-1, -1};
   std::array<int64_t, 3> g_key{-1, -1, -1};
-  ConvScratch(int64_t x_floats, int64_t g_floats)
-      : x(x_floats), g(g_floats), tile(kConvPanelsO * kConvPanelsK * kConvMR * kNR) {}
+  ConvScratch(int64_t x_floats, int64_t g_floats, int64_t blocks)
+      : x(x_floats), g(g_floats), tile(blocks * kConvPanelsO * kConvPanelsK * kConvMR * kNR) {}
 };
 
 // The columns of the product are cut into segments: a kernel row's kw·C columns (s, c) when
@@ -378,15 +384,18 @@ struct DirectConvKernel {
   int64_t span = (rows_per_chunk - 1) * c.stride_h + (c.kh - 1) * c.dilation_h + 1;
 
   int64_t blocks() const { return nbo * nbk; }
+  // Elements of a weighted sum in the permuted layout [(r, s, c)][O_p].
+  int64_t sum_size() const { return nseg * seg_len * O_p; }
   int64_t cost(int64_t blk) const {
     const int64_t po = std::min(kConvPanelsO, np - (blk / nbk) * kConvPanelsO);
     const int64_t pk = std::min(kConvPanelsK, tiles - (blk % nbk) * kConvPanelsK);
     return (c.H_out * c.W_out + 1) * po * pk;
   }
-  ConvScratch scratch() const {
+  // Buffers for runs of `blocks` blocks at once.
+  ConvScratch scratch(int64_t blocks = 1) const {
     // xs plus kConvMR floats of slack: the last tile of a segment reads up to kConvMR - 1 floats
     // past it (rows the epilogue skips).
-    return ConvScratch(span * Wp * c.C + kConvMR, kConvPanelsO * rows_per_chunk * c.W_out * kNR);
+    return ConvScratch(span * Wp * c.C + kConvMR, kConvPanelsO * rows_per_chunk * c.W_out * kNR, blocks);
   }
 
   // xs[j][w][ch] = x_i[ch][oh0·sh + j − pad_h][w − pad_w] as fp32 (zero outside the image) for the
@@ -411,9 +420,9 @@ struct DirectConvKernel {
     std::fill(xs + nspan * Wp * c.C, xs + nspan * Wp * c.C + kConvMR, 0.f);
   }
 
-  // gp[p][t][lane] = g_i[(p0 + p) kNR + lane][t0 + t] as fp32 (zero past O) for the chunk's tc
-  // positions from t0 and panels p < npb.
-  void pack_g(int64_t i, int64_t t0, int64_t tc, int64_t p0, int64_t npb, float* gp) const {
+  // gp[p][t][lane] = factor · g_i[(p0 + p) kNR + lane][t0 + t] as fp32 (zero past O) for the
+  // chunk's tc positions from t0 and panels p < npb.
+  void pack_g(int64_t i, int64_t t0, int64_t tc, int64_t p0, int64_t npb, float factor, float* gp) const {
     const scalar_t* gi = g + i * c.g_batch_stride + t0;
     for (int64_t p = 0; p < npb; ++p) {
       float* panel = gp + p * tc * kNR;
@@ -424,57 +433,135 @@ struct DirectConvKernel {
           continue;
         }
         const scalar_t* src = gi + o * c.g_channel_stride;
-        for (int64_t t = 0; t < tc; ++t) panel[t * kNR + lane] = bk_to_float(src[t]);
+        for (int64_t t = 0; t < tc; ++t) panel[t * kNR + lane] = factor * bk_to_float(src[t]);
       }
     }
   }
 
-  template <bool kShift, bool kScale>
-  double block_sumsq(int64_t i, int64_t blk, ConvScratch& w) const {
-    const int64_t p0 = (blk / nbk) * kConvPanelsO, npb = std::min(kConvPanelsO, np - p0);
-    const int64_t u0 = (blk % nbk) * kConvPanelsK, nub = std::min(kConvPanelsK, tiles - u0);
+  // The tiles of blocks [b0, b1) of Σ_{i ∈ [i0, i1)} w_i g_iᵀ a_i (w null: all 1), accumulated over
+  // the samples' chunks of positions (sample by sample, each packed once, the tiles parked in
+  // ws.tile between them); epilogue(acc, seg, col0, p) takes each tile after the last chunk of
+  // sample i1 - 1: segment seg's columns from col0, o-panel p.
+  template <typename TileFn>
+  void run_tiles(int64_t i0, int64_t i1, int64_t b0, int64_t b1, const float* w, ConvScratch& ws,
+                 const TileFn& epilogue) const {
     const int64_t chunks = ceil_div(c.H_out, rows_per_chunk);
     const int64_t row_step = c.stride_h * Wp * c.C, col_step = c.stride_w * c.C;
-    cpu::WideSum wide;
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const int64_t oh0 = ch * rows_per_chunk, nr = std::min(rows_per_chunk, c.H_out - oh0);
-      const int64_t t0 = oh0 * c.W_out, tc = nr * c.W_out;
-      const bool first = ch == 0, last = ch == chunks - 1;
-      if (w.x_key != std::array<int64_t, 2>{i, oh0}) {
-        pack_x(i, oh0, (nr - 1) * c.stride_h + (c.kh - 1) * c.dilation_h + 1, w.x.data());
-        w.x_key = {i, oh0};
-      }
-      if (w.g_key != std::array<int64_t, 3>{i, oh0, p0}) {
-        pack_g(i, t0, tc, p0, npb, w.g.data());
-        w.g_key = {i, oh0, p0};
-      }
-      for (int64_t p = 0; p < npb; ++p) {
-        const float* gp = w.g.data() + p * tc * kNR;
-        for (int64_t uu = 0; uu < nub; ++uu) {
-          const int64_t u = u0 + uu, seg = u / seg_tiles, col0 = (u % seg_tiles) * kConvMR;
-          float* parked = w.tile.data() + (p * kConvPanelsK + uu) * (kConvMR * kNR);
-          ConvTile acc;
-          unpark(acc, parked, first);
-          // Segment seg starts at kernel row r (and tap s when dilation_w > 1) of xs.
-          const int64_t r = whole_rows ? seg : seg / c.kw, s = whole_rows ? 0 : seg % c.kw;
-          const float* xs = w.x.data() + (r * c.dilation_h * Wp + s * c.dilation_w) * c.C + col0;
-          fma_tile(xs, gp, nr, c.W_out, row_step, col_step, acc);
-          if (!last) {
-            park(acc, parked);
-            continue;
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t oh0 = ch * rows_per_chunk, nr = std::min(rows_per_chunk, c.H_out - oh0);
+        const int64_t t0 = oh0 * c.W_out, tc = nr * c.W_out;
+        const bool first = i == i0 && ch == 0, last = i == i1 - 1 && ch == chunks - 1;
+        if (ws.x_key != std::array<int64_t, 2>{i, oh0}) {
+          pack_x(i, oh0, (nr - 1) * c.stride_h + (c.kh - 1) * c.dilation_h + 1, ws.x.data());
+          ws.x_key = {i, oh0};
+        }
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t p0 = (blk / nbk) * kConvPanelsO, npb = std::min(kConvPanelsO, np - p0);
+          const int64_t u0 = (blk % nbk) * kConvPanelsK, nub = std::min(kConvPanelsK, tiles - u0);
+          if (ws.g_key != std::array<int64_t, 3>{i, oh0, p0}) {
+            pack_g(i, t0, tc, p0, npb, w ? w[i] : 1.f, ws.g.data());
+            ws.g_key = {i, oh0, p0};
           }
-          // Rows past the segment's end hold other columns' products: skipped. Padding channels
-          // (o >= O) hold g = 0 and shift = scale = 0: their y is 0.
-          const int64_t off = (seg * seg_len + col0) * O_p + (p0 + p) * kNR;
-          const int64_t rows = std::min<int64_t>(kConvMR, seg_len - col0);
-          wide.add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
-                                              kScale ? ep.scale + off : nullptr, O_p, rows));
+          for (int64_t p = 0; p < npb; ++p) {
+            const float* gp = ws.g.data() + p * tc * kNR;
+            for (int64_t uu = 0; uu < nub; ++uu) {
+              const int64_t u = u0 + uu, seg = u / seg_tiles, col0 = (u % seg_tiles) * kConvMR;
+              float* parked =
+                  ws.tile.data() + (((blk - b0) * kConvPanelsO + p) * kConvPanelsK + uu) * (kConvMR * kNR);
+              ConvTile acc;
+              unpark(acc, parked, first);
+              // Segment seg starts at kernel row r (and tap s when dilation_w > 1) of xs.
+              const int64_t r = whole_rows ? seg : seg / c.kw, s = whole_rows ? 0 : seg % c.kw;
+              const float* xs = ws.x.data() + (r * c.dilation_h * Wp + s * c.dilation_w) * c.C + col0;
+              fma_tile(xs, gp, nr, c.W_out, row_step, col_step, acc);
+              if (last) {
+                epilogue(acc, seg, col0, p0 + p);
+              } else {
+                park(acc, parked);
+              }
+            }
+          }
         }
       }
     }
+  }
+
+  // Rows of a tile that are columns of its segment; those past its end hold other columns' products.
+  int64_t tile_rows(int64_t col0) const { return std::min<int64_t>(kConvMR, seg_len - col0); }
+
+  // Σ over block blk of (scale (P_i − shift))² for sample i. Padding channels (o >= O) hold g = 0
+  // and shift = scale = 0: their y is 0.
+  template <bool kShift, bool kScale>
+  double block_sumsq(int64_t i, int64_t blk, ConvScratch& ws) const {
+    cpu::WideSum wide;
+    run_tiles(i, i + 1, blk, blk + 1, nullptr, ws,
+              [&](const ConvTile& acc, int64_t seg, int64_t col0, int64_t p) {
+                const int64_t off = (seg * seg_len + col0) * O_p + p * kNR;
+                wide.add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
+                                                    kScale ? ep.scale + off : nullptr, O_p, tile_rows(col0)));
+              });
     return wide.total();
   }
+
+  // Blocks [b0, b1) of Σ_{i ∈ [i0, i1)} w_i P_i, stored into sum ([(r, s, c)][O_p], the permuted
+  // weight).
+  void weighted_sum(int64_t i0, int64_t i1, int64_t b0, int64_t b1, const float* w, ConvScratch& ws,
+                    float* sum) const {
+    run_tiles(i0, i1, b0, b1, w, ws, [&](const ConvTile& acc, int64_t seg, int64_t col0, int64_t p) {
+      float* dst = sum + (seg * seg_len + col0) * O_p + p * kNR;
+      const int64_t rows = tile_rows(col0);
+      // Constant indices (unrolled, with a break): a runtime index into acc would keep it in memory.
+#pragma GCC unroll 16
+      for (int r = 0; r < kConvMR; ++r) {
+        if (r >= rows) break;
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) acc[r][v].store(dst + r * O_p + v * Vec::size());
+      }
+    });
+  }
 };
+
+// Σ_i w_i P_i of the direct conv kernel into `sum` ([(r, s, c)][O_p]). The samples are cut into
+// groups fixed by the shapes alone (at most kSumGroups, and at most kSumPartialFloats floats of
+// partial sums), each summed sample by sample into its own partial (the first group's is `sum`),
+// and the partials are added in group order: the result depends neither on the thread count nor
+// on the task order. A task is one group over a band of blocks, each of its samples packed once per
+// band; the bands, which do not change the result, are as many as keep the threads busy.
+template <typename Kernel>
+void weighted_sum_groups(const Kernel& kernel, int64_t B, const float* w, float* sum) {
+  constexpr int64_t kSumGroups = 4, kSumPartialFloats = int64_t{1} << 22;
+  const int64_t size = kernel.sum_size(), blocks = kernel.blocks();
+  const int64_t max_groups = std::clamp<int64_t>(kSumPartialFloats / size, 1, kSumGroups);
+  const int64_t per = ceil_div(B, std::min(B, max_groups)), groups = ceil_div(B, per);
+  const int64_t bands = std::clamp<int64_t>(ceil_div(4 * at::get_num_threads(), groups), 1, blocks);
+  const int64_t per_band = ceil_div(blocks, bands);
+  std::vector<int64_t> cost(groups * bands);
+  for (int64_t t = 0; t < groups * bands; ++t) {
+    const int64_t grp = t / bands, b0 = (t % bands) * per_band;
+    for (int64_t blk = b0; blk < std::min(blocks, b0 + per_band); ++blk) {
+      cost[t] += std::min(per, B - grp * per) * kernel.cost(blk);
+    }
+  }
+  // NaN until written: an element no task stored would poison the sum, never read as 0.
+  std::vector<float> rest((groups - 1) * size, std::numeric_limits<float>::quiet_NaN());
+  const auto partial = [&](int64_t grp) { return grp == 0 ? sum : rest.data() + (grp - 1) * size; };
+  cpu::parallel_over_tasks(cost, [&](int64_t t0, int64_t t1) {
+    auto ws = kernel.scratch(per_band);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t grp = t / bands, b0 = (t % bands) * per_band;
+      kernel.weighted_sum(grp * per, std::min(B, (grp + 1) * per), b0, std::min(blocks, b0 + per_band), w, ws,
+                          partial(grp));
+    }
+  });
+  if (groups == 1) return;
+  at::parallel_for(0, size, 4096, [&](int64_t lo, int64_t hi) {
+    for (int64_t grp = 1; grp < groups; ++grp) {
+      const float* src = partial(grp);
+      for (int64_t k = lo; k < hi; ++k) sum[k] += src[k];
+    }
+  });
+}
 
 }  // namespace
 
@@ -499,8 +586,8 @@ at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::
                                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                   const std::optional<at::Tensor>& scale,
                                   const std::optional<at::Tensor>& shift) {
-  const ConvShape c = check_conv2d_sumsq_inputs(x, g, kernel_size, stride, padding, dilation, scale, shift,
-                                                c10::DeviceType::CPU);
+  const ConvShape c = check_conv2d_inputs("conv2d_sumsq_tiled", x, g, kernel_size, stride, padding, dilation,
+                                          scale, shift, c10::DeviceType::CPU);
   auto out = new_output({c.B}, x.options().dtype(at::kFloat));
   if (c.B == 0) return out;
   if (c.C == 0 || c.O == 0) return out.zero_();
@@ -520,6 +607,27 @@ at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::
     sum_blocks(kernel, c.B, kernel.blocks(), false, shift.has_value(), scale.has_value(),
                out.data_ptr<float>());
   });
+  return out;
+}
+
+at::Tensor conv2d_weighted_sum_cpu(const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights,
+                                   at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                   at::IntArrayRef padding, at::IntArrayRef dilation) {
+  const ConvShape c = check_conv2d_inputs("conv2d_weighted_sum", x, g, kernel_size, stride, padding, dilation,
+                                          std::nullopt, std::nullopt, c10::DeviceType::CPU);
+  check_sample_weights("conv2d_weighted_sum", weights, x);
+  auto out = new_output({c.O, c.C, c.kh, c.kw}, x.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  if (c.B == 0) return out.zero_();
+  const int64_t O_p = round_up(c.O, kNR);
+  auto sum = new_output({c.kh, c.kw, c.C, O_p}, out.options());
+  DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "conv2d_weighted_sum", [&] {
+    const DirectConvKernel<scalar_t> kernel{
+        x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), c, {}};
+    weighted_sum_groups(kernel, c.B, weights.const_data_ptr<float>(), sum.data_ptr<float>());
+  });
+  // [kh, kw, C, O_p] -> the weight's [O, C, kh, kw].
+  out.copy_(sum.narrow(3, 0, c.O).permute({3, 2, 0, 1}));
   return out;
 }
 

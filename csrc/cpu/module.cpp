@@ -12,6 +12,7 @@
 TORCH_LIBRARY_IMPL(dpkernels_C, CPU, m) {
 #define DPK_REGISTER_CPU(op, kernel, ret, params) m.impl(#op, &dpkernels::kernel##_cpu);
   DPK_FOR_EACH_KERNEL(DPK_REGISTER_CPU)
+  DPK_FOR_EACH_CPU_KERNEL(DPK_REGISTER_CPU)
 #undef DPK_REGISTER_CPU
 }
 

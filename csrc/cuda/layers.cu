@@ -451,8 +451,8 @@ at::Tensor conv2d_sumsq_tiled_cuda(const at::Tensor& x, const at::Tensor& g, at:
                                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                    const std::optional<at::Tensor>& scale,
                                    const std::optional<at::Tensor>& shift) {
-  const ConvShape c = check_conv2d_sumsq_inputs(x, g, kernel_size, stride, padding, dilation, scale, shift,
-                                                c10::DeviceType::CUDA);
+  const ConvShape c = check_conv2d_inputs("conv2d_sumsq_tiled", x, g, kernel_size, stride, padding, dilation,
+                                          scale, shift, c10::DeviceType::CUDA);
   return tiled_sumsq_cuda(
       "conv2d_sumsq_tiled", c.linear(), x, g, scale, shift,
       [&](const auto* px, const auto*, const auto& launch) {

@@ -66,6 +66,11 @@ using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tens
     (const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size, at::IntArrayRef stride,          \
      at::IntArrayRef padding, at::IntArrayRef dilation, const OptionalTensor& scale,                         \
      const OptionalTensor& shift))
+// Ops with a CPU kernel only: on CUDA their Python callers use an ATen op instead (cuDNN).
+#define DPK_FOR_EACH_CPU_KERNEL(X)                                                                           \
+  X(conv2d_weighted_sum, conv2d_weighted_sum, at::Tensor,                                                    \
+    (const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights, at::IntArrayRef kernel_size,       \
+     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation))
 // The parameters of the dp2, adam and macadam steps.
 #define DPK_FAMILY_STEP_PARAMS                                                                               \
   (at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,                   \
@@ -78,5 +83,8 @@ using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tens
   ret kernel##_cuda params;
 DPK_FOR_EACH_KERNEL(DPK_DECLARE_KERNELS)
 #undef DPK_DECLARE_KERNELS
+#define DPK_DECLARE_CPU_KERNEL(op, kernel, ret, params) ret kernel##_cpu params;
+DPK_FOR_EACH_CPU_KERNEL(DPK_DECLARE_CPU_KERNEL)
+#undef DPK_DECLARE_CPU_KERNEL
 
 }  // namespace dpkernels

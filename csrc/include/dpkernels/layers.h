@@ -116,17 +116,16 @@ struct ConvShape {
   LinearShape linear() const { return {B, H_out * W_out, C * kh * kw, O}; }
 };
 
-// Checks the inputs of conv2d_sumsq_tiled for a kernel on `device`: x [B, C, H, W] and g [B, O,
-// H_out, W_out] of one dtype (float32, float16, bfloat16) on one device, each channel's plane
-// contiguous, H_out and W_out those of the convolution; kernel_size, stride, padding and dilation
-// pairs (kernel, stride and dilation >= 1, padding >= 0); scale and shift absent or contiguous
-// float32 [O, C · kh · kw] on the same device.
-inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor& g,
-                                           at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                                           at::IntArrayRef padding, at::IntArrayRef dilation,
-                                           const std::optional<at::Tensor>& scale,
-                                           const std::optional<at::Tensor>& shift, c10::DeviceType device) {
-  constexpr const char* op = "conv2d_sumsq_tiled";
+// Checks the inputs of a conv op (conv2d_sumsq_tiled, conv2d_weighted_sum) for a kernel on
+// `device`: x [B, C, H, W] and g [B, O, H_out, W_out] of one dtype (float32, float16, bfloat16) on
+// one device, each channel's plane contiguous, H_out and W_out those of the convolution;
+// kernel_size, stride, padding and dilation pairs (kernel, stride and dilation >= 1, padding >= 0);
+// scale and shift absent or contiguous float32 [O, C · kh · kw] on the same device.
+inline ConvShape check_conv2d_inputs(const char* op, const at::Tensor& x, const at::Tensor& g,
+                                     at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                     at::IntArrayRef padding, at::IntArrayRef dilation,
+                                     const std::optional<at::Tensor>& scale,
+                                     const std::optional<at::Tensor>& shift, c10::DeviceType device) {
   DPK_CHECK(x.dim() == 4, op, ": x must be 4-D [B, C, H, W], got ", x.dim(), "-D ", x.sizes());
   DPK_CHECK(g.dim() == 4, op, ": g must be 4-D [B, O, H_out, W_out], got ", g.dim(), "-D ", g.sizes());
   DPK_CHECK(x.size(0) == g.size(0), op, ": x and g must have the same batch size B, got x ", x.sizes(),
@@ -171,6 +170,17 @@ inline ConvShape check_conv2d_sumsq_inputs(const at::Tensor& x, const at::Tensor
   c.g_batch_stride = g.stride(0), c.g_channel_stride = g.stride(1);
   check_epilogue_inputs(op, c.linear(), x, scale, shift);
   return c;
+}
+
+// The per-sample weights of a weighted sum: contiguous float32 [B] on x's device.
+inline void check_sample_weights(const char* op, const at::Tensor& weights, const at::Tensor& x) {
+  DPK_CHECK(weights.dim() == 1 && weights.size(0) == x.size(0), op, ": weights must be [B] = [", x.size(0),
+            "], got ", weights.sizes());
+  DPK_CHECK(weights.scalar_type() == at::kFloat, op, ": weights must be float32, got ",
+            weights.scalar_type());
+  DPK_CHECK(weights.is_contiguous(), op, ": weights must be contiguous");
+  DPK_CHECK(weights.device() == x.device(), op, ": weights are on ", weights.device(), " but x is on ",
+            x.device());
 }
 
 }  // namespace dpkernels
