@@ -18,8 +18,10 @@ A shift adds ``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` to the first two, the mi
 being one GEMM of the forward's size. ``"auto"`` picks among them from the shapes and the scale
 (crossover measured in docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
 :func:`linear_weighted_sum` is ``(w ⊙ G)ᵀ A``, one GEMM over all ``B·T`` rows. Conv2d is the linear
-case over im2col patches (:func:`conv2d_sumsq`; its clipped sum :func:`conv2d_weighted_sum` is the
-layer's own weight gradient with ``w`` folded in), Embedding a segment sum over (sample, token id).
+case over im2col patches (:func:`conv2d_sumsq`; its clipped sum :func:`conv2d_weighted_sum` is, on
+``cpu``, the tiled product's direct kernel with ``w`` folded into ``G`` and the samples summed too,
+elsewhere the framework's weight gradient with ``w`` folded in), Embedding a segment sum over
+(sample, token id).
 
 Backends (op family ``layers``): ``reference`` materialises per-sample gradients in float64
 (dpkernels/reference/layers.py); ``cpu`` and ``cuda`` run the GEMMs through ATen (BLAS, cuBLAS)
@@ -27,7 +29,8 @@ and the tiled product as the native ops ``dpkernels_C::linear_sumsq_tiled`` and
 ``dpkernels_C::conv2d_sumsq_tiled`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu); ``triton`` runs the
 tiled product in Triton (triton_kernels/layers.py). The tiled product of a conv never builds its
 patches on any backend but ``reference``: the CPU's is a direct kernel over a channels-last copy
-of the input rows, CUDA's and Triton's gather the patches in place (implicit im2col).
+of the input rows, CUDA's and Triton's gather the patches in place (implicit im2col); the CPU's
+conv clipped sum is the same direct kernel (``dpkernels_C::conv2d_weighted_sum``).
 """
 
 from __future__ import annotations
@@ -809,8 +812,12 @@ def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dil
 
 def conv2d_weighted_sum(x: Tensor, g: Tensor, weights: Tensor, weight_shape, *, stride=1, padding=0, dilation=1,
                         groups: int = 1, backend: str = "auto") -> Tensor:  # fmt: skip
-    """``Σ_i w_i g_i`` for a Conv2d weight: the layer's weight gradient with ``w`` folded into its
-    input or output gradient. ``x``, ``g`` as :func:`conv2d_sumsq`; ``weights`` ``[B]``.
+    """``Σ_i w_i g_i`` for a Conv2d weight. ``x``, ``g`` as :func:`conv2d_sumsq`; ``weights`` ``[B]``.
+
+    On ``cpu`` the direct kernel of the tiled norm (``dpkernels_C::conv2d_weighted_sum``: no patches,
+    ``w_i`` folded into the packed ``G``, fixed sample groups summed in order, so the result does
+    not depend on the thread count); on ``cuda`` and ``triton`` the framework's weight gradient
+    (cuDNN) with ``w`` folded into the smaller of ``x`` and ``g``; ``reference`` in float64.
 
     Returns: float32 ``weight_shape`` (float64 for float64 input).
     """
