@@ -343,9 +343,15 @@ struct LinearKernel {
 // ---------------------------------------------------------------------------------------------
 
 // Micro-tile: kConvMR weight columns (broadcast from the input) × kNR output channels (kNV vectors
-// of g). 14 × 32 with AVX-512's 32 registers: 28 accumulators, two loads of g and a broadcast; 6 ×
-// 16 with 16 registers (15 of them).
-constexpr int kConvMR = Vec::size() >= 16 ? 14 : 6;
+// of g). 14 × 16 where the module has AVX-512's 32 vector registers (its 256-bit vectors use them
+// too): 28 accumulators, two loads of g and a broadcast, 12% less time for the bench CNN's five
+// norms than 6 × 16 on a Zen 4 (docs/BENCHMARKS.md, "Book-keeping"); 6 × 16 with 16 registers (15
+// of them).
+#if defined(__AVX512F__)
+constexpr int kConvMR = 14;
+#else
+constexpr int kConvMR = 6;
+#endif
 using ConvTile = Vec[kConvMR][kNV];
 // Block: kConvPanelsO o-panels × kConvPanelsK column tiles.
 constexpr int64_t kConvPanelsO = 4;
@@ -527,14 +533,15 @@ struct DirectConvKernel {
 // partial sums), each summed sample by sample into its own partial (the first group's is `sum`),
 // and the partials are added in group order: the result depends neither on the thread count nor
 // on the task order. A task is one group over a band of blocks, each of its samples packed once per
-// band; the bands, which do not change the result, are as many as keep the threads busy.
+// band (packing is a sixth of a small layer's time); the bands, which do not change the result, are
+// as few as give every thread a task.
 template <typename Kernel>
 void weighted_sum_groups(const Kernel& kernel, int64_t B, const float* w, float* sum) {
   constexpr int64_t kSumGroups = 4, kSumPartialFloats = int64_t{1} << 22;
   const int64_t size = kernel.sum_size(), blocks = kernel.blocks();
   const int64_t max_groups = std::clamp<int64_t>(kSumPartialFloats / size, 1, kSumGroups);
   const int64_t per = ceil_div(B, std::min(B, max_groups)), groups = ceil_div(B, per);
-  const int64_t bands = std::clamp<int64_t>(ceil_div(4 * at::get_num_threads(), groups), 1, blocks);
+  const int64_t bands = std::clamp<int64_t>(ceil_div(at::get_num_threads(), groups), 1, blocks);
   const int64_t per_band = ceil_div(blocks, bands);
   std::vector<int64_t> cost(groups * bands);
   for (int64_t t = 0; t < groups * bands; ++t) {
