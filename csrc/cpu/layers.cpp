@@ -31,8 +31,8 @@
 //
 // dpkernels_C::conv2d_weighted_sum, the conv's clipped sum Σ_i w_i g_iᵀ a_i, runs the same direct
 // kernel with w_i folded into the packed g panels and the tiles accumulated over the samples as
-// well (weighted_sum_groups). ATen's weight gradient (oneDNN) costs ~85 µs more a call on a small
-// layer, and as much on the bench's CNN layers (docs/BENCHMARKS.md, "Book-keeping").
+// well (weighted_sum_groups). ATen's weight gradient (oneDNN) costs ~100 µs more a call on a small
+// layer; on the bench CNN's layers the two are on a par (docs/BENCHMARKS.md, "Book-keeping").
 #include "dpkernels/layers.h"
 
 #include <ATen/Parallel.h>
