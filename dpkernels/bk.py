@@ -166,7 +166,7 @@ class _GroupNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, groups, eps, rule, fid):
         x = x.contiguous()  # the [1, B·C, HW] view of the backward
         N, C = x.shape[:2]
-        y, mean, rstd = torch.native_group_norm(x, weight, bias, N, C, x[0, 0].numel(), groups, eps)
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, N, C, math.prod(x.shape[2:]), groups, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.groups, ctx.rule, ctx.fid = groups, rule, fid
         return y
@@ -179,7 +179,7 @@ class _GroupNormFn(torch.autograd.Function):
         trains = {id(p) for p in rule.params}
         mask = [ctx.needs_input_grad[0], *(id(p) in trains for p in (rule.module.weight, rule.module.bias))]
         gx, gw, gb = torch.ops.aten.native_group_norm_backward(
-            gy.contiguous(), x, mean, rstd, weight.repeat(N), 1, N * C, x[0, 0].numel(), N * ctx.groups, mask
+            gy.contiguous(), x, mean, rstd, weight.repeat(N), 1, N * C, math.prod(x.shape[2:]), N * ctx.groups, mask
         )
         rule.record(ctx.fid, {rule.module.weight: gw, rule.module.bias: gb}, N)
         return gx, None, None, None, None, None, None
@@ -350,7 +350,8 @@ class _Conv2dRule(_WrappedRule):
                 out[m.weight] = total
         mat = {}
         if m.bias is not None and m.bias.requires_grad:
-            mat[m.bias] = sum(c.grad.sum((2, 3)) * c.alpha for c in calls)
+            biases = [c.grad.sum((2, 3)) * c.alpha for c in calls]
+            mat[m.bias] = biases[0] if len(biases) == 1 else sum(biases)
         return out, mat
 
     def sums(self, calls, weights, backend):
@@ -773,18 +774,22 @@ def _clipped_sums(sets, coeffs, params, C, mode, r, shift, scale, per_layer, non
     cols, mats = [], []
     for mb in mbs:
         B = _batch_of(mb)
-        sq = torch.zeros(B, L, dtype=torch.float64, device=device)
         mat: dict = {}
+        where, parts = [], []  # each parameter's column of sq (one rule per parameter: no repeats)
         for rule, calls in mb.items():
             own, m = rule.norms(calls, aux, backend)
-            for p, s in own.items():
-                sq[:, index[id(p)]] += s
+            where += [index[id(p)] for p in own]
+            parts += [s[:, None] for s in own.values()]
             mat.update(m)
         if mat:
             ps = list(mat)
             idx = [index[id(p)] for p in ps]
             grads = [mat[p].contiguous() for p in ps]
-            sq[:, idx] += clip.per_sample_sumsq([grads], [1.0], _pick(shift, idx), _pick(scale, idx)).to(device)
+            where += idx
+            parts.append(clip.per_sample_sumsq([grads], [1.0], _pick(shift, idx), _pick(scale, idx)).to(device))
+        sq = torch.zeros(B, L, dtype=torch.float64, device=device)
+        if parts:
+            sq[:, where] = torch.cat(parts, 1)
         cols.append(sq)
         mats.append(mat)
     sumsq = torch.cat(cols) if cols else torch.zeros(0, L, dtype=torch.float64, device=device)
