@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _backend
-from .clip import CLIP, _check_max_grad_norm, _check_mode, _in_range, _overflow_error
+from .clip import CLIP, _check_max_grad_norm, _check_mode, _check_vectors, _in_range, _overflow_error
 from .layers import (
     Conv2dGeometry,
     _conv2d_sumsq,
@@ -523,25 +523,6 @@ class _GroupNormRule(_SamplerRule):
             self.done[fid].append(_Grads(tuple(grads[p].view(batch, -1) for p in self.params), None, 1.0))
 
 
-def _checked_aux(name: str, ts, params) -> list[Tensor] | None:
-    """``ts``: None, or one floating-point tensor per parameter, shaped like it and on its device
-    (returned contiguous)."""
-    if ts is None:
-        return None
-    if len(ts) != len(params):
-        raise ValueError(f"{name} must hold one tensor per trainable parameter ({len(params)}), got {len(ts)}")
-    out = []
-    for i, (t, p) in enumerate(zip(ts, params, strict=True)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}[{i}] must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.shape != p.shape:
-            raise ValueError(f"{name}[{i}] must be shaped like its parameter {list(p.shape)}, got {list(t.shape)}")
-        if t.device != p.device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but its parameter is on {p.device}")
-        out.append(t.contiguous())
-    return out
-
-
 def _rule_for(module: nn.Module) -> _Rule:
     if type(module) is nn.Linear:
         return _LinearRule(module)
@@ -565,7 +546,9 @@ class _Aux:
 
     def __init__(self, params, shift, scale):
         self.index = {id(p): i for i, p in enumerate(params)}
-        self._shift, self._scale = _checked_aux("shift", shift, params), _checked_aux("scale", scale, params)
+        shapes, device = [p.shape for p in params], params[0].device if params else None
+        self._shift, self._scale = (None if ts is None else _check_vectors(name, ts, shapes, device)
+                                    for name, ts in (("shift", shift), ("scale", scale)))  # fmt: skip
 
     def shift(self, p):
         return None if self._shift is None else self._shift[self.index[id(p)]]

@@ -514,21 +514,31 @@ def _raise_bad_tensor(name, g, g0, j, B, device, allowed, what):
 
 
 def _prepare_vectors(vecs, batch: _Batch, name: str) -> list[Tensor]:
-    """shift/scale: None, or one tensor per parameter, shaped like it (no batch dim)."""
+    """shift/scale/noise of a clip over ``batch``: ``[]`` for None, else checked, in the sums' dtype."""
     if vecs is None:
         return []
-    if isinstance(vecs, Tensor) or len(vecs) != batch.L:
-        raise ValueError(f"{name} must be a list of {batch.L} tensors shaped like the parameters")
-    dtype = _out_dtype(batch.grads)
+    return _check_vectors(name, vecs, batch.param_shapes, batch.device, _out_dtype(batch.grads))
+
+
+def _check_vectors(name: str, vecs, shapes, device, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Per-parameter vectors (shift, scale, noise): one floating-point tensor per parameter, shaped
+    like it (no batch dimension) and on ``device``; returned contiguous (and as ``dtype``)."""
+    if isinstance(vecs, Tensor) or len(vecs) != len(shapes):
+        raise ValueError(
+            f"{name} must be a list of {len(shapes)} tensors, one tensor per trainable parameter shaped like it; "
+            f"got {'a tensor' if isinstance(vecs, Tensor) else len(vecs)}"
+        )
     out = []
-    for idx, (v, shape) in enumerate(zip(vecs, batch.param_shapes, strict=True)):
+    for idx, (v, shape) in enumerate(zip(vecs, shapes, strict=True)):
         if not isinstance(v, Tensor) or not v.is_floating_point():
-            raise TypeError(f"{name}[{idx}] must be a floating-point tensor")
+            got = getattr(v, "dtype", type(v).__name__)
+            raise TypeError(f"{name}[{idx}] must be a floating-point tensor, got {got}")
         if v.shape != shape:
-            raise ValueError(f"{name}[{idx}] has shape {tuple(v.shape)}, expected the parameter shape {tuple(shape)}")
-        if v.device != batch.device:
-            raise ValueError(f"{name}[{idx}] is on {v.device} but the gradients are on {batch.device}")
-        out.append(v.to(dtype).contiguous())
+            what, got = f"{name}[{idx}]", list(v.shape)
+            raise ValueError(f"{what} must be shaped like its parameter {list(shape)}; {what} has shape {got}")
+        if v.device != device:
+            raise ValueError(f"{name}[{idx}] is on {v.device} but the gradients are on {device}")
+        out.append((v if dtype is None else v.to(dtype)).contiguous())
     return out
 
 

@@ -105,12 +105,17 @@ def test_deterministic(device):
     assert torch.equal(first, _op(a, g, sc, sh))
     if device == "cpu":
         # Per-(sample, block) partials summed in block order: the thread count does not matter.
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(first, _op(a, g, sc, sh))
-        finally:
-            torch.set_num_threads(threads)
+        assert torch.equal(first, _on_one_thread(lambda: _op(a, g, sc, sh)))
+
+
+def _on_one_thread(fn):
+    """``fn()`` with the CPU ops limited to one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -300,12 +305,7 @@ def test_conv_weighted_sum_channel_slices_and_determinism():
     ref, bound = _wsum_reference(x, g, w, shape)
     assert bool((out.double() - ref).abs().le(1e-5 * bound).all())
     assert torch.equal(out, _wsum_op(x.contiguous(), g.contiguous(), w, shape))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(out, _wsum_op(x, g, w, shape))
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(out, _on_one_thread(lambda: _wsum_op(x, g, w, shape)))
 
 
 def test_conv_weighted_sum_zero_sized():
