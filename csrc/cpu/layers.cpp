@@ -344,7 +344,7 @@ struct LinearKernel {
 
 // Micro-tile: kConvMR weight columns (broadcast from the input) × kNR output channels (kNV vectors
 // of g). 14 × 16 where the module has AVX-512's 32 vector registers (its 256-bit vectors use them
-// too): 28 accumulators, two loads of g and a broadcast, 12% less time for the bench CNN's five
+// too): 28 accumulators, two loads of g and a broadcast, 7-13% less time for the bench CNN's five
 // norms than 6 × 16 on a Zen 4 (docs/BENCHMARKS.md, "Book-keeping"); 6 × 16 with 16 registers (15
 // of them).
 #if defined(__AVX512F__)
