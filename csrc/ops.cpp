@@ -106,4 +106,11 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "conv2d_weighted_sum(Tensor x, Tensor g, Tensor weights, int[2] kernel_size, int[2] stride, int[2] "
       "padding, int[2] dilation) -> Tensor");
+  // conv2d_sumsq_tiled's norms and the per-sample products they square, (float32 [B], float32 [B, O, C,
+  // kh, kw] stored as [B, kh, kw, C, O]): the clipped sum is then a weighted sum over B, not a product
+  // over B·T positions (CPU only; the BK engine's choice, dpkernels/bk.py).
+  m.def(
+      "conv2d_sumsq_grad_sample(Tensor x, Tensor g, int[2] kernel_size, int[2] stride, int[2] padding, "
+      "int[2] "
+      "dilation, Tensor? scale, Tensor? shift) -> (Tensor, Tensor)");
 }

@@ -46,9 +46,11 @@ from .clip import CLIP, _check_max_grad_norm, _check_mode, _check_vectors, _in_r
 from .layers import (
     Conv2dGeometry,
     _conv2d_sumsq,
+    _conv2d_sumsq_grad_sample,
     _conv2d_weighted_sum,
     _embedding_sumsq,
     _embedding_weighted_sum,
+    _grad_sample_weighted_sum,
     _linear_sumsq,
     _linear_weighted_sum,
     conv2d_patches,
@@ -60,12 +62,13 @@ __all__ = ["BKBatch", "BKModule"]
 
 class _Call:
     """One call of a layer in one forward: its inputs and its output gradient, scaled by ``alpha``
-    (the loss-reduction factor ``B`` for a mean loss, times DP-PMLF's set coefficient)."""
+    (the loss-reduction factor ``B`` for a mean loss, times DP-PMLF's set coefficient). ``kept``:
+    what a rule's ``norms`` computed for its ``sums`` (a conv's per-sample gradients), or None."""
 
-    __slots__ = ("inputs", "grad", "alpha")
+    __slots__ = ("inputs", "grad", "alpha", "kept")
 
     def __init__(self, inputs: tuple, grad: Tensor, alpha: float):
-        self.inputs, self.grad, self.alpha = inputs, grad, alpha
+        self.inputs, self.grad, self.alpha, self.kept = inputs, grad, alpha, None
 
     @property
     def batch(self) -> int:
@@ -79,7 +82,9 @@ class _Call:
 
     def without(self, keep: Tensor) -> _Call:
         """This call with the rows of dropped (non-finite) samples zeroed: ``0 · NaN`` would poison a GEMM."""
-        return type(self)(tuple(_keep_rows(x, keep) for x in self.inputs), _keep_rows(self.grad, keep), self.alpha)
+        out = type(self)(tuple(_keep_rows(x, keep) for x in self.inputs), _keep_rows(self.grad, keep), self.alpha)
+        out.kept = self.kept  # summed by the clip family's weighted sum, which skips zero-weight samples
+        return out
 
 
 class _Grads(_Call):
@@ -340,7 +345,15 @@ class _Conv2dRule(_WrappedRule):
                 x, g, alpha = c.inputs[0].contiguous(), c.grad.to(c.inputs[0].dtype).contiguous(), c.alpha
                 if shift is not None and alpha != 1.0:  # ‖S ⊙ (αg − M)‖ is not homogeneous in α
                     g, alpha = g * alpha, 1.0
-                sq = _conv2d_sumsq(x, g, tuple(m.weight.shape), self.geometry(), scale, shift, "auto", backend)
+                shape, geom = tuple(m.weight.shape), self.geometry()
+                kept = None
+                if _keeps(x, g, shape):
+                    kept = _conv2d_sumsq_grad_sample(x, g, shape, geom, scale, shift, backend)
+                if kept is None:
+                    sq = _conv2d_sumsq(x, g, shape, geom, scale, shift, "auto", backend)
+                else:
+                    sq, gs = kept
+                    c.kept = (gs, alpha)
                 out[m.weight] = sq * (alpha * alpha) if alpha != 1.0 else sq
             else:
                 total = 0
@@ -361,11 +374,23 @@ class _Conv2dRule(_WrappedRule):
         w = weights[m.weight]
         if len(calls) == 1:
             (c,) = calls
+            if c.kept is not None:
+                gs, alpha = c.kept
+                return {m.weight: _grad_sample_weighted_sum(gs, w * alpha)}
             x = c.inputs[0].contiguous()
             g = c.grad.to(x.dtype).contiguous()
             return {m.weight: _conv2d_weighted_sum(x, g, w * c.alpha, tuple(m.weight.shape), self.geometry(), backend)}
         parts = [_linear_weighted_sum(a, g, w, None, backend) for a, g in self.prepared(calls, last=True)]
         return {m.weight: torch.cat(parts).view(m.weight.shape)}
+
+
+def _keeps(x: Tensor, g: Tensor, weight_shape) -> bool:
+    """Whether a conv call's norms also keep its per-sample gradients (where the backend can), for
+    the clipped sum to be a weighted sum over ``B`` instead of a product over the ``B·T`` positions
+    (2·T flops per kept element): when they take no more memory than the call's recorded input and
+    output gradient, so that BK's memory stays within twice what it records (docs/BENCHMARKS.md,
+    "Book-keeping")."""
+    return 4 * x.shape[0] * math.prod(weight_shape) <= x.nbytes + g.nbytes
 
 
 def _positions(x: Tensor) -> Tensor:

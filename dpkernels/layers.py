@@ -30,7 +30,9 @@ and the tiled product as the native ops ``dpkernels_C::linear_sumsq_tiled`` and
 tiled product in Triton (triton_kernels/layers.py). The tiled product of a conv never builds its
 patches on any backend but ``reference``: the CPU's is a direct kernel over a channels-last copy
 of the input rows, CUDA's and Triton's gather the patches in place (implicit im2col); the CPU's
-conv clipped sum is the same direct kernel (``dpkernels_C::conv2d_weighted_sum``).
+conv clipped sum is the same direct kernel (``dpkernels_C::conv2d_weighted_sum``). For the BK
+engine the CPU's conv norm can also keep the per-sample gradients it squares
+(``dpkernels_C::conv2d_sumsq_grad_sample``), whose clipped sum is then a weighted sum over the batch.
 """
 
 from __future__ import annotations
@@ -438,6 +440,12 @@ if _backend.has_native_ops():
         torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_weighted_sum takes [B, C, H, W] x and g")
         return x.new_empty((g.shape[1], x.shape[1], *kernel_size), dtype=torch.float32)
 
+    @torch.library.register_fake("dpkernels_C::conv2d_sumsq_grad_sample")
+    def _(x, g, kernel_size, stride, padding, dilation, scale, shift):
+        torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_sumsq_grad_sample takes [B, C, H, W] x and g")
+        kept = x.new_empty((x.shape[0], *kernel_size, x.shape[1], g.shape[1]), dtype=torch.float32)
+        return x.new_empty((x.shape[0],), dtype=torch.float32), kept.permute(0, 4, 3, 1, 2)
+
 
 LAYERS = family(
     "layers",
@@ -564,6 +572,29 @@ def _conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method, backend):
     if x.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=x.device)
     return LAYERS.kernels(backend).conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method)
+
+
+def _conv2d_sumsq_grad_sample(x, g, weight_shape, geom, scale, shift, backend):
+    """``(norms, grad_sample)``: ``conv2d_sumsq``'s float64 ``[B]`` from the CPU's tiled kernel
+    together with the per-sample gradients ``g_i`` it squares (unscaled, unshifted; fp32
+    ``[B, *weight_shape]``, stored ``[B, kh, kw, C, O]``), for :func:`_grad_sample_weighted_sum`;
+    None where there is no such kernel (other backends, ``groups > 1``, float64)."""
+    if backend != "cpu" or geom.groups != 1 or x.dtype == torch.float64 or x.shape[0] == 0:
+        return None
+    f32 = lambda t: None if t is None else t.float().reshape(t.shape[0], -1).contiguous()  # noqa: E731
+    sq, gs = torch.ops.dpkernels_C.conv2d_sumsq_grad_sample(x, g, geom.kernel_size, geom.stride, geom.padding,
+                                                            geom.dilation, f32(scale), f32(shift))  # fmt: skip
+    return sq.double(), gs
+
+
+def _grad_sample_weighted_sum(grad_sample: Tensor, weights: Tensor) -> Tensor:
+    """``Σ_i w_i g_i`` of :func:`_conv2d_sumsq_grad_sample`'s per-sample gradients (fp32, the weight's
+    shape): the clip family's streaming weighted sum over their storage order."""
+    from .clip import CLIP
+
+    stored = grad_sample.permute(0, 3, 4, 2, 1)  # [B, kh, kw, C, O], contiguous
+    (total,) = CLIP.kernels("cpu").weighted_sum([[stored]], weights.float()[:, None].contiguous())
+    return total.permute(3, 2, 0, 1).contiguous()
 
 
 def _conv2d_weighted_sum(x, g, weights, weight_shape, geom, backend):

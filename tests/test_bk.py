@@ -295,10 +295,11 @@ def test_empty_batch_gives_zero_sums(backend_device):
     assert all(s.shape == p.shape and not s.any() for s, p in zip(sums, model.parameters(), strict=True))
 
 
-def test_nonfinite_sample_raises_or_is_dropped(backend_device):
+@pytest.mark.parametrize("name", ["mlp", "cnn"])  # cnn: a conv's kept per-sample gradients hold the NaN
+def test_nonfinite_sample_raises_or_is_dropped(backend_device, name):
     backend, dev = backend_device
-    model = _build("mlp", device=dev)
-    x, y = _batch("mlp", 5, dev)
+    model = _build(name, device=dev)
+    x, y = _batch(name, 5, dev)
     x[2, 0] = float("nan")
     bk = _bk_run(model, [(x, y)])
     with pytest.raises(ValueError, match=r"non-finite.*\[2\]"):
@@ -308,6 +309,7 @@ def test_nonfinite_sample_raises_or_is_dropped(backend_device):
     keep = torch.tensor([0, 1, 3, 4], device=dev)
     want_s, _ = dpkernels.clip_and_accumulate(_opacus_grad_samples(model, x[keep], y[keep], "sum"), 1.0,
                                               backend="reference")  # fmt: skip
+    assert norms[keep].isfinite().all() and not norms[2].isfinite()
     # the mean loss of 5 samples scales each G by 5 (Opacus's rule): the per-sample gradients are those of the sum
     _close_sums(sums, [s.float() for s in want_s])
 

@@ -1,6 +1,7 @@
-"""The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::conv2d_sumsq_tiled`` and
-``dpkernels_C::conv2d_weighted_sum`` (csrc/cpu/layers.cpp, csrc/cuda/layers.cu) against the float64
-references ``dpkernels.reference.layers.linear_sumsq``, ``conv2d_sumsq`` and ``conv2d_weighted_sum``:
+"""The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::conv2d_sumsq_tiled``,
+``dpkernels_C::conv2d_weighted_sum`` and ``dpkernels_C::conv2d_sumsq_grad_sample`` (csrc/cpu/layers.cpp,
+csrc/cuda/layers.cu) against the float64 references ``dpkernels.reference.layers.linear_sumsq``,
+``conv2d_sumsq``, ``conv2d_weighted_sum`` and ``conv2d_grad_samples``:
 odd shapes (block, tile and chunk edges included), every dtype, with and without scale and shift,
 strided channel views, determinism, bad input, and opcheck with the fake kernels registered in
 ``dpkernels/layers.py``."""
@@ -10,7 +11,7 @@ import torch
 
 import dpkernels  # noqa: F401  (loads dpkernels._C)
 from dpkernels import _backend
-from dpkernels.reference.layers import conv2d_sumsq, conv2d_weighted_sum, linear_sumsq
+from dpkernels.reference.layers import conv2d_grad_samples, conv2d_sumsq, conv2d_weighted_sum, linear_sumsq
 
 pytestmark = pytest.mark.skipif(
     not _backend.has_cpu_kernels() or not hasattr(torch.ops.dpkernels_C, "linear_sumsq_tiled"),
@@ -339,6 +340,90 @@ def test_conv_weighted_sum_opcheck():
     op = torch.ops.dpkernels_C.conv2d_weighted_sum.default
     w = torch.rand(shape[0])
     for args in ((x, g, w, *[list(v) for v in shape[5:]]), (x.half(), g.half(), w, *[list(v) for v in shape[5:]])):
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# conv2d_sumsq_grad_sample (CPU only): conv2d_sumsq_tiled's norms and the per-sample gradients they
+# square. The same shapes: O = 5, 70, 150 leave the last 16-channel panel part full.
+def _grad_sample_op(x, g, shape, sc=None, sh=None):
+    return torch.ops.dpkernels_C.conv2d_sumsq_grad_sample(x, g, *shape[5:], sc, sh)
+
+
+def _grad_sample_reference(x, g, shape):
+    """The float64 per-sample gradients and the bound of their rounding, |g_i|ᵀ|x_i|."""
+    C_out, ks, st, pd, dl = shape[4:]
+    ws = (C_out, x.shape[1], *ks)
+    x, g = x.double().cpu(), g.double().cpu()
+    return conv2d_grad_samples(x, g, ws, st, pd, dl, 1), conv2d_grad_samples(x.abs(), g.abs(), ws, st, pd, dl, 1)
+
+
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", WSUM_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-k{s[5][0]}{s[5][1]}")
+def test_conv_grad_sample_matches_reference(shape, dtype):
+    """The norms are conv2d_sumsq_tiled's, bit for bit (the same kernel), with and without scale and
+    shift; the per-sample gradients, unscaled and unshifted, match the reference, in the weight's
+    shape, stored [B, kh, kw, C, O]."""
+    ref, bound = None, None
+    for scale, shift in ((False, False), (True, False), (True, True)):
+        x, g, sc, sh = _conv_inputs(shape, dtype, "cpu", scale, shift)
+        sq, gs = _grad_sample_op(x, g, shape, sc, sh)
+        assert sq.dtype == torch.float32 and torch.equal(sq, _conv_op(x, g, shape, sc, sh))
+        if ref is None:
+            ref, bound = _grad_sample_reference(x, g, shape)
+        assert gs.dtype == torch.float32 and gs.shape == ref.shape
+        assert gs.permute(0, 3, 4, 2, 1).is_contiguous()
+        err = (gs.double() - ref).abs()
+        assert bool(err.le(1e-5 * bound + 1e-30).all()), (scale, shift, err.max())
+
+
+def test_conv_grad_sample_channel_slices_and_determinism():
+    """x and g read in place as channel slices; every sample's gradient written by its own tasks:
+    the same bits for any thread count and memory layout."""
+    shape = (3, 40, 20, 19, 150, (3, 3), (1, 1), (1, 1), (1, 1))
+    x, g, sc, _ = _conv_inputs(shape, torch.float32, "cpu", True, False, seed=3, extra_channels=2)
+    assert not x.is_contiguous() and not g.is_contiguous()
+    sq, gs = _grad_sample_op(x, g, shape, sc)
+    ref, bound = _grad_sample_reference(x, g, shape)
+    assert bool((gs.double() - ref).abs().le(1e-5 * bound).all())
+    for other in (_grad_sample_op(x.contiguous(), g.contiguous(), shape, sc),
+                  _on_one_thread(lambda: _grad_sample_op(x, g, shape, sc))):  # fmt: skip
+        assert torch.equal(sq, other[0]) and torch.equal(gs, other[1])
+
+
+def test_conv_grad_sample_zero_sized():
+    x, g, _, _ = _conv_inputs(CONV_SHAPES[0], torch.float32, "cpu", False, False)
+    sq, gs = _grad_sample_op(x[:0], g[:0], CONV_SHAPES[0])
+    assert sq.shape == (0,) and gs.shape == (0, 5, 3, 3, 3)
+    sq, gs = _grad_sample_op(x[:, :0], g, CONV_SHAPES[0])
+    assert sq.shape == (2,) and not sq.any() and gs.shape == (2, 5, 0, 3, 3)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(x=torch.randn(2, 3, 7, 6).double()), "supported"),
+        (dict(g=torch.randn(2, 5, 6, 6)), "not the convolution's output size"),
+        (dict(sc=torch.rand(5, 26)), r"scale must be \[d_out, d_in\] = \[5, 27\]"),
+    ],
+)
+def test_conv_grad_sample_bad_input(change, match):
+    x, g, _, _ = _conv_inputs(CONV_SHAPES[0], torch.float32, "cpu", False, False)
+    args = dict(x=x, g=g, sc=None) | change
+    if args["x"].dtype != torch.float32:
+        args["g"] = args["g"].to(args["x"].dtype)
+    with pytest.raises(RuntimeError, match=r"conv2d_sumsq_grad_sample: .*" + match):
+        _grad_sample_op(args["x"], args["g"], CONV_SHAPES[0], args["sc"])
+
+
+def test_conv_grad_sample_opcheck():
+    shape = CONV_SHAPES[2]
+    x, g, sc, sh = _conv_inputs(shape, torch.float32, "cpu", True, True, extra_channels=1)
+    op = torch.ops.dpkernels_C.conv2d_sumsq_grad_sample.default
+    geometry = [list(v) for v in shape[5:]]
+    for args in ((x, g, *geometry, sc, sh), (x.bfloat16(), g.bfloat16(), *geometry, None, None)):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

@@ -1,5 +1,6 @@
-// CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::conv2d_sumsq_tiled and
-// dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
+// CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::conv2d_sumsq_tiled,
+// dpkernels_C::conv2d_sumsq_grad_sample and dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp,
+// math and checks in layers.h): per-sample
 // ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i. Both are GEMMs blocked as in BLIS
 // whose output tile never leaves the registers: the epilogue applies shift and scale to the tile,
 // sums its squares in fp32 and adds that sum to fp64 accumulators. With more positions than one
@@ -33,6 +34,10 @@
 // kernel with w_i folded into the packed g panels and the tiles accumulated over the samples as
 // well (weighted_sum_groups). ATen's weight gradient (oneDNN) costs ~100 µs more a call on a small
 // layer; on the bench CNN's layers the two are on a par (docs/BENCHMARKS.md, "Book-keeping").
+//
+// dpkernels_C::conv2d_sumsq_grad_sample is the norm whose epilogue also stores each tile of P_i:
+// where B·|W| floats fit in memory (the BK engine decides), the clipped sum is then a weighted sum
+// over B instead of a second product over B·T positions (2·T flops per kept element).
 #include "dpkernels/layers.h"
 
 #include <ATen/Parallel.h>
@@ -181,6 +186,29 @@ double edge_sumsq(const Tile& acc, const float* sh, const float* sc, int64_t ld,
     }
   }
   return s;
+}
+
+// Rows [0, rows) × columns [0, cols) of a tile into dst (row stride ld). Constant indices (unrolled,
+// with a break): a runtime index into acc would keep it in memory.
+template <int MR>
+inline void store_tile(const Vec (&acc)[MR][kNV], float* dst, int64_t ld, int64_t rows, int64_t cols) {
+  if (cols == kNR) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      if (r >= rows) break;
+#pragma GCC unroll 4
+      for (int v = 0; v < kNV; ++v) acc[r][v].store(dst + r * ld + v * Vec::size());
+    }
+    return;
+  }
+  alignas(64) float row[kNR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    if (r >= rows) break;
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) acc[r][v].store(row + v * Vec::size());
+    std::memcpy(dst + r * ld, row, cols * sizeof(float));
+  }
 }
 
 struct Epilogue {
@@ -379,6 +407,8 @@ struct DirectConvKernel {
   const scalar_t* g;
   ConvShape c;
   Epilogue ep;  // permuted: [nseg · seg_len][O_p]
+  // Where block_sumsq also stores the products P_i it squares, [B][(r, s, c)][O] (null: nowhere).
+  float* kept = nullptr;
   bool whole_rows = c.dilation_w == 1;
   int64_t nseg = whole_rows ? c.kh : c.kh * c.kw, seg_len = whole_rows ? c.kw * c.C : c.C;
   int64_t seg_tiles = ceil_div(seg_len, kConvMR), tiles = nseg * seg_tiles;
@@ -496,16 +526,20 @@ struct DirectConvKernel {
   // Rows of a tile that are columns of its segment; those past its end hold other columns' products.
   int64_t tile_rows(int64_t col0) const { return std::min<int64_t>(kConvMR, seg_len - col0); }
 
-  // Σ over block blk of (scale (P_i − shift))² for sample i. Padding channels (o >= O) hold g = 0
-  // and shift = scale = 0: their y is 0.
+  // Σ over block blk of (scale (P_i − shift))² for sample i (and block blk of P_i into kept). Padding
+  // channels (o >= O) hold g = 0 and shift = scale = 0: their y is 0.
   template <bool kShift, bool kScale>
   double block_sumsq(int64_t i, int64_t blk, ConvScratch& ws) const {
     cpu::WideSum wide;
     run_tiles(i, i + 1, blk, blk + 1, nullptr, ws,
               [&](const ConvTile& acc, int64_t seg, int64_t col0, int64_t p) {
-                const int64_t off = (seg * seg_len + col0) * O_p + p * kNR;
+                const int64_t col = seg * seg_len + col0, off = col * O_p + p * kNR, rows = tile_rows(col0);
                 wide.add(tile_sumsq<kShift, kScale>(acc, kShift ? ep.shift + off : nullptr,
-                                                    kScale ? ep.scale + off : nullptr, O_p, tile_rows(col0)));
+                                                    kScale ? ep.scale + off : nullptr, O_p, rows));
+                if (kept != nullptr) {
+                  store_tile(acc, kept + (i * nseg * seg_len + col) * c.O + p * kNR, c.O, rows,
+                             std::min<int64_t>(kNR, c.O - p * kNR));
+                }
               });
     return wide.total();
   }
@@ -515,15 +549,7 @@ struct DirectConvKernel {
   void weighted_sum(int64_t i0, int64_t i1, int64_t b0, int64_t b1, const float* w, ConvScratch& ws,
                     float* sum) const {
     run_tiles(i0, i1, b0, b1, w, ws, [&](const ConvTile& acc, int64_t seg, int64_t col0, int64_t p) {
-      float* dst = sum + (seg * seg_len + col0) * O_p + p * kNR;
-      const int64_t rows = tile_rows(col0);
-      // Constant indices (unrolled, with a break): a runtime index into acc would keep it in memory.
-#pragma GCC unroll 16
-      for (int r = 0; r < kConvMR; ++r) {
-        if (r >= rows) break;
-#pragma GCC unroll 4
-        for (int v = 0; v < kNV; ++v) acc[r][v].store(dst + r * O_p + v * Vec::size());
-      }
+      store_tile(acc, sum + (seg * seg_len + col0) * O_p + p * kNR, O_p, tile_rows(col0), kNR);
     });
   }
 };
@@ -589,15 +615,12 @@ at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
   return out;
 }
 
-at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
-                                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                                  const std::optional<at::Tensor>& scale,
-                                  const std::optional<at::Tensor>& shift) {
-  const ConvShape c = check_conv2d_inputs("conv2d_sumsq_tiled", x, g, kernel_size, stride, padding, dilation,
-                                          scale, shift, c10::DeviceType::CPU);
-  auto out = new_output({c.B}, x.options().dtype(at::kFloat));
-  if (c.B == 0) return out;
-  if (c.C == 0 || c.O == 0) return out.zero_();
+namespace {
+
+// conv2d_sumsq_tiled's norms into out [B], and with `kept` the per-sample products too.
+void conv2d_sumsq_run(const at::Tensor& x, const at::Tensor& g, const ConvShape& c,
+                      const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
+                      float* out, float* kept) {
   // shift/scale [O, (c, r, s)] as the kernel's segments read them: [(r, s, c)][O_p], zero past O.
   const int64_t O_p = round_up(c.O, kNR);
   const auto permuted = [&](const std::optional<at::Tensor>& t) {
@@ -608,13 +631,44 @@ at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::
   const auto shift_p = permuted(shift), scale_p = permuted(scale);
   const Epilogue ep{shift_p ? shift_p->const_data_ptr<float>() : nullptr,
                     scale_p ? scale_p->const_data_ptr<float>() : nullptr};
-  DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "conv2d_sumsq_tiled", [&] {
-    const DirectConvKernel<scalar_t> kernel{x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), c,
-                                            ep};
-    sum_blocks(kernel, c.B, kernel.blocks(), false, shift.has_value(), scale.has_value(),
-               out.data_ptr<float>());
+  DPK_DISPATCH_GRAD_TYPES(x.scalar_type(), "conv2d_sumsq", [&] {
+    const DirectConvKernel<scalar_t> kernel{x.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), c, ep,
+                                            kept};
+    sum_blocks(kernel, c.B, kernel.blocks(), false, shift.has_value(), scale.has_value(), out);
   });
+}
+
+}  // namespace
+
+at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
+                                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& shift) {
+  const ConvShape c = check_conv2d_inputs("conv2d_sumsq_tiled", x, g, kernel_size, stride, padding, dilation,
+                                          scale, shift, c10::DeviceType::CPU);
+  auto out = new_output({c.B}, x.options().dtype(at::kFloat));
+  if (c.B == 0) return out;
+  if (c.C == 0 || c.O == 0) return out.zero_();
+  conv2d_sumsq_run(x, g, c, scale, shift, out.data_ptr<float>(), nullptr);
   return out;
+}
+
+TensorPair conv2d_sumsq_grad_sample_cpu(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
+                                        at::IntArrayRef stride, at::IntArrayRef padding,
+                                        at::IntArrayRef dilation, const std::optional<at::Tensor>& scale,
+                                        const std::optional<at::Tensor>& shift) {
+  const ConvShape c = check_conv2d_inputs("conv2d_sumsq_grad_sample", x, g, kernel_size, stride, padding,
+                                          dilation, scale, shift, c10::DeviceType::CPU);
+  auto out = new_output({c.B}, x.options().dtype(at::kFloat));
+  // Stored [B, kh, kw, C, O], the layout of the kernel's tiles; returned as [B, O, C, kh, kw].
+  auto kept = new_output({c.B, c.kh, c.kw, c.C, c.O}, out.options());
+  if (c.B == 0 || c.C == 0 || c.O == 0) {
+    out.zero_();
+    kept.zero_();
+  } else {
+    conv2d_sumsq_run(x, g, c, scale, shift, out.data_ptr<float>(), kept.data_ptr<float>());
+  }
+  return {out, kept.permute({0, 4, 3, 1, 2})};
 }
 
 at::Tensor conv2d_weighted_sum_cpu(const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights,

@@ -15,6 +15,7 @@
 namespace dpkernels {
 
 using OptionalTensor = std::optional<at::Tensor>;
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>;  // sums, norms, weights
 
 // X(op, kernel, return type, parameters) for every op, in csrc/ops.cpp's order, with the C++ types of
@@ -70,7 +71,11 @@ using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tens
 #define DPK_FOR_EACH_CPU_KERNEL(X)                                                                           \
   X(conv2d_weighted_sum, conv2d_weighted_sum, at::Tensor,                                                    \
     (const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights, at::IntArrayRef kernel_size,       \
-     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation))
+     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation))                             \
+  X(conv2d_sumsq_grad_sample, conv2d_sumsq_grad_sample, TensorPair,                                          \
+    (const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size, at::IntArrayRef stride,          \
+     at::IntArrayRef padding, at::IntArrayRef dilation, const OptionalTensor& scale,                         \
+     const OptionalTensor& shift))
 // The parameters of the dp2, adam and macadam steps.
 #define DPK_FAMILY_STEP_PARAMS                                                                               \
   (at::TensorList params, at::TensorList sums, at::TensorList state, at::TensorList noise,                   \
