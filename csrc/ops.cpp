@@ -106,6 +106,10 @@ TORCH_LIBRARY(dpkernels_C, m) {
   m.def(
       "conv2d_weighted_sum(Tensor x, Tensor g, Tensor weights, int[2] kernel_size, int[2] stride, int[2] "
       "padding, int[2] dilation) -> Tensor");
+  // The Gram form of linear_sumsq_tiled without scale or shift, ⟨A_i A_iᵀ, G_i G_iᵀ⟩ over the upper
+  // triangle, no Gram stored; the same inputs and output (CPU only: CUDA's is two cuBLAS batched GEMMs,
+  // dpkernels/layers.py).
+  m.def("linear_sumsq_gram(Tensor a, Tensor g) -> Tensor");
   // conv2d_sumsq_tiled's norms and the per-sample products they square, (float32 [B], float32 [B, O, C,
   // kh, kw] stored as [B, kh, kw, C, O]): the clipped sum is then a weighted sum over B, not a product
   // over B·T positions (CPU only; the BK engine's choice, dpkernels/bk.py).

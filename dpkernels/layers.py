@@ -68,14 +68,20 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # fewest launches.
 _GRAM_TILING = {"cpu": (64, 1 << 18)}
 _GRAM_TILING_DEFAULT = (None, 1 << 24)
+# The CPU's native Gram pass (dpkernels_C::linear_sumsq_gram) packs one sample's A and G whole per
+# thread: up to this many elements (T·(d_in + d_out), 16 MiB of fp32), beyond it the tiled GEMMs above.
+_GRAM_NATIVE_MAX_ELEMS = 1 << 22
 # A conv's explicit im2col patches (Gram form) are built a chunk of samples at a time, at
 # most max(this, the input's size) elements per chunk: kh·kw times the input would otherwise double
 # a small CNN's peak memory.
 _PATCH_CHUNK_ELEMS = 1 << 18
-# "auto" takes the Gram form when T·(d_in + d_out) <= GRAM_CROSSOVER · d_in·d_out, i.e. when its
-# flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py (docs/BENCHMARKS.md,
-# "Book-keeping"), least total slowdown over the grid for any value in [0.625, 1).
-GRAM_CROSSOVER = 0.75
+# "auto" takes the Gram form when T·(d_in + d_out) <= GRAM_CROSSOVER[backend] · d_in·d_out, i.e. when
+# its flops are at most that fraction of the tiled product's: measured with tools/bk_crossover.py
+# (docs/BENCHMARKS.md, "Book-keeping"), least total slowdown over the grid. cpu, its native Gram pass:
+# any value in [1.25, 2). The others, ATen's batched GEMMs (measured on the CPU, when it ran them
+# too): [0.625, 1).
+GRAM_CROSSOVER = {"cpu": 1.5}
+GRAM_CROSSOVER_DEFAULT = 0.75
 # The same for a conv (conv2d_sumsq): there the tiled product reads the input in place (the CPU's
 # direct kernel runs at the framework's weight-gradient speed) and the Gram form builds the patches.
 # tools/bk_crossover.py --conv (docs/BENCHMARKS.md): least total slowdown over 16 shapes for any
@@ -177,10 +183,15 @@ class _AtenLayers:
         if method == "t1":
             sumsq = _t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale)
         else:
-            sumsq = _gram_sumsq(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
+            sumsq = cls.gram(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
         if shift is not None:
             sumsq = sumsq + _shift_terms(a, g, s_out, s_in, scale, shift)
         return sumsq.clamp_min_(0.0)
+
+    @staticmethod
+    def gram(a, g):
+        """``⟨A_i A_iᵀ, G_i G_iᵀ⟩``, float64 ``[B]`` (:func:`_gram_sumsq`)."""
+        return _gram_sumsq(a, g)
 
     @staticmethod
     def rows_sumsq(rows, scales=None):
@@ -387,7 +398,14 @@ def _conv_gram_sumsq(x, g, geom, shift):
 class _CpuLayers(_AtenLayers):
     """cpu: the conv's clipped sum as the direct kernel of its tiled norm (no patches, ``w`` folded into
     the packed ``G``), faster in a training step than the framework's weight gradient (oneDNN)
-    with ``w`` folded into a copy of an operand (docs/BENCHMARKS.md, "Book-keeping")."""
+    with ``w`` folded into a copy of an operand; the Gram form as one native pass over the upper
+    triangle (docs/BENCHMARKS.md, "Book-keeping")."""
+
+    @staticmethod
+    def gram(a, g):
+        if a.dtype == torch.float64 or a.shape[1] * (a.shape[2] + g.shape[2]) > _GRAM_NATIVE_MAX_ELEMS:
+            return _gram_sumsq(a, g)
+        return torch.ops.dpkernels_C.linear_sumsq_gram(a, g).double()
 
     @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
@@ -439,6 +457,11 @@ if _backend.has_native_ops():
     def _(x, g, weights, kernel_size, stride, padding, dilation):
         torch._check(x.dim() == 4 and g.dim() == 4, lambda: "conv2d_weighted_sum takes [B, C, H, W] x and g")
         return x.new_empty((g.shape[1], x.shape[1], *kernel_size), dtype=torch.float32)
+
+    @torch.library.register_fake("dpkernels_C::linear_sumsq_gram")
+    def _(a, g):
+        torch._check(a.dim() == 3 and g.dim() == 3, lambda: "linear_sumsq_gram takes [B, T, d] a and g")
+        return a.new_empty((a.shape[0],), dtype=torch.float32)
 
     @torch.library.register_fake("dpkernels_C::conv2d_sumsq_grad_sample")
     def _(x, g, kernel_size, stride, padding, dilation, scale, shift):
@@ -519,7 +542,7 @@ def _linear_scale(scale, shift, d_out: int, d_in: int, device):
     return s_out, s_in, dense, shift
 
 
-def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool) -> str:
+def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool, backend: str) -> str:
     if method not in LINEAR_METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {LINEAR_METHODS}")
     if method == "t1" and T != 1:
@@ -530,7 +553,7 @@ def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool) -> str
         return method
     if T == 1:
         return "t1"
-    if not dense and T * (d_in + d_out) <= GRAM_CROSSOVER * d_in * d_out:
+    if not dense and T * (d_in + d_out) <= GRAM_CROSSOVER.get(backend, GRAM_CROSSOVER_DEFAULT) * d_in * d_out:
         return "gram"
     return "tiled"
 
@@ -547,7 +570,7 @@ def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool) -> str
 
 def _linear_sumsq(a, g, s_out, s_in, dense, shift, method, backend):
     B, T, d_in = a.shape
-    method = _pick_method(method, T, g.shape[-1], d_in, dense is not None)
+    method = _pick_method(method, T, g.shape[-1], d_in, dense is not None, backend)
     if B == 0:
         return torch.zeros(0, dtype=torch.float64, device=a.device)
     return LAYERS.kernels(backend).linear_sumsq(a, g, s_out, s_in, dense, shift, method)

@@ -259,20 +259,23 @@ def test_bench_layers_section(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     monkeypatch.delenv("DPKERNELS_POISON_OUTPUTS", raising=False)
-    shapes = (layers.LayerShape(4, 1, 16, 16), layers.LayerShape(4, 2, 32, 32), layers.LayerShape(4, 8, 16, 24))
+    shapes = (layers.LayerShape(4, 1, 16, 16), layers.LayerShape(4, 2, 32, 32), layers.LayerShape(4, 16, 16, 24))
     monkeypatch.setattr(layers, "LAYER_SHAPES", shapes)  # tiny: t1, gram and tiled picked by auto
     out = tmp_path / "bench.json"
     argv = ["bench", "--sections", "layers", "--repeats", "1", "--warmup", "1", "--json", str(out)]
     assert cli.main(argv) == 0
     rec = json.loads(out.read_text())
-    assert [r["name"] for r in rec["layers"]] == ["T1-d16", "T2-d32", "T8-d16x24"]
+    assert [r["name"] for r in rec["layers"]] == ["T1-d16", "T2-d32", "T16-d16x24"]
     assert [r["auto_picks"] for r in rec["layers"]] == ["t1", "gram", "tiled"]
     tiled_why = layers.tiled_missing("cpu")
     for shape, r in zip(shapes, rec["layers"], strict=True):
         rows = {p["name"]: p for p in r["providers"]}
         assert ("bk t1" in rows) == (shape.T == 1)
         assert rows["weight-grad GEMM"]["status"] == "ok" and rows["bk gram"]["status"] == "ok"
-        assert rows["bk auto"]["method"] == f"auto → {_pick_method('auto', shape.T, shape.d_out, shape.d_in, False)}"
+        assert (
+            rows["bk auto"]["method"]
+            == f"auto → {_pick_method('auto', shape.T, shape.d_out, shape.d_in, False, 'cpu')}"
+        )
         needs_tiled = {"bk tiled", *(n for n in ("bk auto", "bk auto + dense scale") if "tiled" in rows[n]["method"])}
         for name, p in rows.items():
             if tiled_why is not None and name in needs_tiled:  # not built yet: skipped with the reason, no crash
@@ -283,7 +286,7 @@ def test_bench_layers_section(tmp_path, monkeypatch):
                 if p["kind"] == "dpkernels":
                     assert p["max_rel_err_sumsq"] < 1e-5 and p["max_rel_err_sum"] < 1e-5
     targets = rec["layers_targets"]
-    assert [t["shape"] for t in targets] == ["T1-d16", "T2-d32", "T8-d16x24"]
+    assert [t["shape"] for t in targets] == ["T1-d16", "T2-d32", "T16-d16x24"]
     for t in targets:
         measured = t["auto_s"] is not None
         assert (t["auto_within_1_3x_gemm"] is None) == (not measured)

@@ -307,10 +307,13 @@ def test_bad_input_raises(call, exc, match):
 
 
 def test_auto_method_choice():
-    assert L._pick_method("auto", 1, 64, 64, True) == "t1"
-    assert L._pick_method("auto", 4, 256, 256, False) == "gram"
-    assert L._pick_method("auto", 4, 256, 256, True) == "tiled"
-    assert L._pick_method("auto", 512, 64, 64, False) == "tiled"
+    assert L._pick_method("auto", 1, 64, 64, True, "cpu") == "t1"
+    assert L._pick_method("auto", 4, 256, 256, False, "cpu") == "gram"
+    assert L._pick_method("auto", 4, 256, 256, True, "cpu") == "tiled"
+    assert L._pick_method("auto", 512, 64, 64, False, "cpu") == "tiled"
+    # the crossover per backend: the CPU's native Gram pass takes the Gram form further
+    assert L._pick_method("auto", 128, 256, 256, False, "cpu") == "gram"
+    assert L._pick_method("auto", 128, 256, 256, False, "cuda") == "tiled"
     # conv (d_in = C_in·kh·kw): Gram at 2x2 with 256 channels, tiled from 4x4 and at 16x16 with 32
     # (CONV_GRAM_CROSSOVER, measured by tools/bk_crossover.py --conv)
     assert L._pick_conv_method("auto", 4, 256, 2304, False) == "gram"

@@ -1,5 +1,6 @@
-"""The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::conv2d_sumsq_tiled``,
-``dpkernels_C::conv2d_weighted_sum`` and ``dpkernels_C::conv2d_sumsq_grad_sample`` (csrc/cpu/layers.cpp,
+"""The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::linear_sumsq_gram``,
+``dpkernels_C::conv2d_sumsq_tiled``, ``dpkernels_C::conv2d_weighted_sum`` and
+``dpkernels_C::conv2d_sumsq_grad_sample`` (csrc/cpu/layers.cpp,
 csrc/cuda/layers.cu) against the float64 references ``dpkernels.reference.layers.linear_sumsq``,
 ``conv2d_sumsq``, ``conv2d_weighted_sum`` and ``conv2d_grad_samples``:
 odd shapes (block, tile and chunk edges included), every dtype, with and without scale and shift,
@@ -154,6 +155,63 @@ def test_opcheck():
     op = torch.ops.dpkernels_C.linear_sumsq_tiled.default
     for args in ((a, g, sc, sh), (a, g, None, None), (a.bfloat16(), g.bfloat16(), None, sh)):
         # test_aot_dispatch_dynamic needs a backward; the op is not differentiable.
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# linear_sumsq_gram (CPU only: CUDA's Gram form is cuBLAS's batched GEMMs). The linear shapes, and
+# T = 64 (four whole position panels) with d not a multiple of the 4 x 4 transposes.
+GRAM_SHAPES = [*SHAPES, (3, 64, 190, 33), (2, 17, 4, 3)]
+
+
+def _gram_reference(a, g):
+    """The float64 norms and the bound of the Gram form's rounding, ⟨|A||A|ᵀ, |G||G|ᵀ⟩ (the same sum
+    of absolute values): its terms cancel, so the bound is not the result."""
+    a, g = a.double(), g.double()
+    return linear_sumsq(a, g), linear_sumsq(a.abs(), g.abs())
+
+
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gram_matches_reference(shape, dtype):
+    a, g, _, _ = _inputs(*shape, dtype, "cpu", False, False)
+    out = torch.ops.dpkernels_C.linear_sumsq_gram(a, g)
+    ref, bound = _gram_reference(a, g)
+    assert out.dtype == torch.float32 and out.shape == (shape[0],)
+    assert bool((out.double() - ref).abs().le(1e-5 * bound + 1e-30).all()), (out.double() - ref).abs().max()
+
+
+def test_gram_deterministic_and_zero_sized():
+    """Per-(sample, position panel) partials summed in panel order: the same bits on any thread count."""
+    a, g, _, _ = _inputs(3, 70, 50, 30, torch.float32, "cpu", False, False, seed=4)
+    first = torch.ops.dpkernels_C.linear_sumsq_gram(a, g)
+    assert torch.equal(first, torch.ops.dpkernels_C.linear_sumsq_gram(a, g))
+    assert torch.equal(first, _on_one_thread(lambda: torch.ops.dpkernels_C.linear_sumsq_gram(a, g)))
+    assert torch.ops.dpkernels_C.linear_sumsq_gram(a[:0], g[:0]).shape == (0,)
+    for a0, g0 in ((a[:, :0], g[:, :0]), (a[..., :0], g)):
+        assert torch.equal(torch.ops.dpkernels_C.linear_sumsq_gram(a0, g0), torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "a, g, match",
+    [
+        (torch.randn(2, 3), torch.randn(2, 3, 4), "a must be 3-D"),
+        (torch.randn(2, 3, 4), torch.randn(2, 2, 5), "same sequence length"),
+        (torch.randn(2, 3, 4).double(), torch.randn(2, 3, 5).double(), "supported"),
+        (torch.randn(2, 4, 3).transpose(1, 2), torch.randn(2, 3, 5), "a must be contiguous"),
+    ],
+)
+def test_gram_bad_input(a, g, match):
+    with pytest.raises(RuntimeError, match="linear_sumsq_gram: .*" + match):
+        torch.ops.dpkernels_C.linear_sumsq_gram(a, g)
+
+
+def test_gram_opcheck():
+    a, g, _, _ = _inputs(3, 5, 7, 13, torch.float32, "cpu", False, False)
+    op = torch.ops.dpkernels_C.linear_sumsq_gram.default
+    for args in ((a, g), (a.half(), g.half())):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

@@ -3,7 +3,7 @@ and with ``--conv`` ``CONV_GRAM_CROSSOVER``).
 
 ``dpkernels.layers.linear_sumsq(method="auto")`` takes ``"gram"`` (``O(T²(d_in + d_out))`` per
 sample) over ``"tiled"`` (``O(T·d_in·d_out)``) when the flop model ``x = T·(d_in + d_out) / (d_in·d_out)``
-(gram flops ÷ tiled flops) is at most ``GRAM_CROSSOVER`` (dpkernels/layers.py). This script times
+(gram flops ÷ tiled flops) is at most the backend's ``GRAM_CROSSOVER`` (dpkernels/layers.py). This script times
 both methods on one backend (``cpu`` by default; fp32, ``B = 32``, no scale, no shift) over a grid of
 ``T`` and ``(d_in, d_out)``, prints per point the two medians, their ratio and ``x``, and the value of
 ``GRAM_CROSSOVER`` that would have cost the least over the grid (sum of each point's time with the
@@ -98,15 +98,15 @@ def measure(B: int, T: int, d_in: int, d_out: int, args) -> dict:
         "B": B, "T": T, "d_in": d_in, "d_out": d_out, "flop_model": flop_model(T, d_in, d_out),
         "gram_s": med.get("gram"), "tiled_s": med.get("tiled"),
         "gram_over_tiled": med["gram"] / med["tiled"] if len(med) == 2 else None,
-        "auto_picks": _auto_picks(T, d_in, d_out, args.conv),
+        "auto_picks": _auto_picks(T, d_in, d_out, args.conv, args.backend),
         "gram_vs_tiled_rel_diff": rel, "other_cpu_cores": other,
     }  # fmt: skip
 
 
-def _auto_picks(T: int, d_in: int, d_out: int, conv: bool) -> str:
+def _auto_picks(T: int, d_in: int, d_out: int, conv: bool, backend: str) -> str:
     if conv:
         return "gram" if flop_model(T, d_in, d_out) <= layers.CONV_GRAM_CROSSOVER else "tiled"
-    return layers._pick_method("auto", T, d_out, d_in, False)
+    return layers._pick_method("auto", T, d_out, d_in, False, backend)
 
 
 def best_crossover(rows: list[dict]) -> tuple[float, float, float] | None:
@@ -155,7 +155,8 @@ def main(argv=None) -> int:
         name, current = "CONV_GRAM_CROSSOVER", layers.CONV_GRAM_CROSSOVER
     else:
         dims = [(d, d) for d in args.d] + list(args.pairs)
-        name, current = "GRAM_CROSSOVER", layers.GRAM_CROSSOVER
+        name = f"GRAM_CROSSOVER[{args.backend!r}]"
+        current = layers.GRAM_CROSSOVER.get(args.backend, layers.GRAM_CROSSOVER_DEFAULT)
     print(f"backend {args.backend} on {args.device}, B={args.B}, fp32, {torch.get_num_threads()} threads; "
           f"current {name} = {current}")  # fmt: skip
     head = f"{'T':>4} {'d_in':>5} {'d_out':>5} {'flop model':>10} {'gram ms':>9} {'tiled ms':>9} {'gram/tiled':>10}"

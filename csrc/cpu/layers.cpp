@@ -367,6 +367,139 @@ struct LinearKernel {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Linear, Gram form: ⟨A_i A_iᵀ, G_i G_iᵀ⟩ over the upper triangle of position pairs (s, t).
+// ---------------------------------------------------------------------------------------------
+
+// Gram tile: kGramMR positions s (broadcast) × kNR positions t (kNV vectors). kGramMR divides kNR,
+// so that a tile's rows are consecutive lanes of one packed position panel. 8 × 16 where the
+// module has AVX-512's 32 registers (16 accumulators, two loads and a broadcast), else 4 × 16.
+#if defined(__AVX512F__)
+constexpr int kGramMR = 8;
+#else
+constexpr int kGramMR = 4;
+#endif
+static_assert(kNR % kGramMR == 0);
+using GramTile = Vec[kGramMR][kNV];
+
+// The 4 × 4 block at src (row stride ld) transposed into dst (row stride ld_dst): four loads, eight
+// shuffles, four stores (GCC vectors: SSE on every x86-64 module).
+using Float4 = float __attribute__((vector_size(16)));
+inline void transpose_4x4(const float* src, int64_t ld, float* dst, int64_t ld_dst) {
+  Float4 r[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(&r[j], src + j * ld, sizeof(Float4));
+  const Float4 lo01 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5),
+               hi01 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7),
+               lo23 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5),
+               hi23 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
+  const Float4 c[4] = {
+      __builtin_shufflevector(lo01, lo23, 0, 1, 4, 5), __builtin_shufflevector(lo01, lo23, 2, 3, 6, 7),
+      __builtin_shufflevector(hi01, hi23, 0, 1, 4, 5), __builtin_shufflevector(hi01, hi23, 2, 3, 6, 7)};
+  for (int j = 0; j < 4; ++j) std::memcpy(dst + j * ld_dst, &c[j], sizeof(Float4));
+}
+
+// Packs src [T, d] (row-major) as fp32 position panels dst[q][k][lane] = src[q kNR + lane][k], zero
+// past T: a panel's column k is one vector operand, its lanes a tile's broadcast rows. Four rows at
+// a time, transposed by 4 × 4 blocks: read in place when they are fp32 rows of src, else widened
+// (or zero-filled past T) into rows [4][d] first.
+template <typename scalar_t>
+void pack_positions(const scalar_t* src, int64_t T, int64_t d, int64_t panels, float* rows, float* dst) {
+  for (int64_t t0 = 0; t0 < panels * kNR; t0 += 4) {
+    const float* four = rows;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (t0 + 4 <= T) four = src + t0 * d;
+    }
+    if (four == rows) {
+      for (int64_t j = 0; j < 4; ++j) {
+        if (t0 + j < T) {
+          cpu::widen_to_float(src + (t0 + j) * d, d, rows + j * d);
+        } else {
+          std::fill(rows + j * d, rows + (j + 1) * d, 0.f);
+        }
+      }
+    }
+    float* out = dst + (t0 / kNR) * d * kNR + t0 % kNR;
+    int64_t k = 0;
+    for (; k + 4 <= d; k += 4) transpose_4x4(four + k, d, out + k * kNR, kNR);
+    for (; k < d; ++k) {
+      for (int64_t j = 0; j < 4; ++j) out[k * kNR + j] = four[j * d + k];
+    }
+  }
+}
+
+// Per-thread buffers of GramKernel: one sample's A_i and G_i as position panels (`sample`: which).
+struct GramScratch {
+  std::vector<float> a, g, rows;
+  int64_t sample = -1;
+};
+
+// a_i [T, d_in] and g_i [T, d_out], contiguous. "Block" q of a sample: the rows s of position
+// panel q against the columns t of panels q and after (the upper triangle, its diagonal panel
+// whole): Σ_{s in q, t >= s} w_st (A_i A_iᵀ)_st (G_i G_iᵀ)_st with w = 2 off the diagonal, 1 on it.
+// Per tile, both Grams over all of d_in and d_out in fp32 (as a GEMM would), their products summed
+// in fp32 and the tiles in fp64. Half the flops of the two whole Grams for large T (5/8 at T = 64),
+// and neither Gram reaches memory.
+template <typename scalar_t>
+struct GramKernel {
+  const scalar_t* a;
+  const scalar_t* g;
+  LinearShape s;
+  int64_t nq = ceil_div(s.T, kNR);
+
+  int64_t blocks() const { return nq; }
+  int64_t cost(int64_t q) const { return (nq - q) * (s.d_in + s.d_out) + s.d_in + s.d_out; }
+  GramScratch scratch() const {
+    return GramScratch{std::vector<float>(nq * kNR * s.d_in), std::vector<float>(nq * kNR * s.d_out),
+                       std::vector<float>(4 * std::max(s.d_in, s.d_out))};
+  }
+
+  // The shift/scale flags of sum_blocks' interface: the Gram form takes neither (the caller scales
+  // A and G by a rank-one scale, and adds a shift's terms itself).
+  template <bool, bool>
+  double block_sumsq(int64_t i, int64_t q, GramScratch& w) const {
+    if (w.sample != i) {
+      pack_positions(a + i * s.T * s.d_in, s.T, s.d_in, nq, w.rows.data(), w.a.data());
+      pack_positions(g + i * s.T * s.d_out, s.T, s.d_out, nq, w.rows.data(), w.g.data());
+      w.sample = i;
+    }
+    cpu::WideSum wide;
+    double diagonal = 0.0;
+    alignas(64) float ga[kGramMR][kNR];
+    for (int64_t r0 = 0; r0 < kNR && q * kNR + r0 < s.T; r0 += kGramMR) {
+      for (int64_t p = q; p < nq; ++p) {
+        GramTile acc;
+        unpark(acc, nullptr, true);  // zero
+        fma_tile(w.a.data() + q * s.d_in * kNR + r0, w.a.data() + p * s.d_in * kNR, 1, s.d_in, 0, kNR, acc);
+        park(acc, &ga[0][0]);
+        unpark(acc, nullptr, true);
+        fma_tile(w.g.data() + q * s.d_out * kNR + r0, w.g.data() + p * s.d_out * kNR, 1, s.d_out, 0, kNR,
+                 acc);
+        if (p > q) {  // every t after every s
+          Vec sum(0.f);
+#pragma GCC unroll 16
+          for (int r = 0; r < kGramMR; ++r) {
+#pragma GCC unroll 4
+            for (int v = 0; v < kNV; ++v)
+              sum = cpu::fmadd(acc[r][v], Vec::loadu(&ga[r][v * Vec::size()]), sum);
+          }
+          wide.add(sum + sum);
+          continue;
+        }
+        alignas(64) float gg[kGramMR][kNR];
+        park(acc, &gg[0][0]);
+        float d = 0.f;
+        for (int64_t r = 0; r < kGramMR; ++r) {
+          for (int64_t lane = r0 + r; lane < kNR; ++lane) {
+            d += (lane == r0 + r ? 1.f : 2.f) * ga[r][lane] * gg[r][lane];
+          }
+        }
+        diagonal += d;
+      }
+    }
+    return wide.total() + diagonal;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Conv2d: the direct kernel (no patches).
 // ---------------------------------------------------------------------------------------------
 
@@ -601,7 +734,8 @@ void weighted_sum_groups(const Kernel& kernel, int64_t B, const float* w, float*
 at::Tensor linear_sumsq_tiled_cpu(const at::Tensor& a, const at::Tensor& g,
                                   const std::optional<at::Tensor>& scale,
                                   const std::optional<at::Tensor>& shift) {
-  const LinearShape s = check_linear_sumsq_inputs(a, g, scale, shift, c10::DeviceType::CPU);
+  const LinearShape s =
+      check_linear_sumsq_inputs("linear_sumsq_tiled", a, g, scale, shift, c10::DeviceType::CPU);
   auto out = new_output({s.B}, a.options().dtype(at::kFloat));
   if (s.B == 0) return out;
   if (s.d_in == 0 || s.d_out == 0) return out.zero_();
@@ -639,6 +773,19 @@ void conv2d_sumsq_run(const at::Tensor& x, const at::Tensor& g, const ConvShape&
 }
 
 }  // namespace
+
+at::Tensor linear_sumsq_gram_cpu(const at::Tensor& a, const at::Tensor& g) {
+  const LinearShape s =
+      check_linear_sumsq_inputs("linear_sumsq_gram", a, g, std::nullopt, std::nullopt, c10::DeviceType::CPU);
+  auto out = new_output({s.B}, a.options().dtype(at::kFloat));
+  if (s.B == 0) return out;
+  if (s.T == 0 || s.d_in == 0 || s.d_out == 0) return out.zero_();
+  DPK_DISPATCH_GRAD_TYPES(a.scalar_type(), "linear_sumsq_gram", [&] {
+    const GramKernel<scalar_t> kernel{a.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), s};
+    sum_blocks(kernel, s.B, kernel.blocks(), false, false, false, out.data_ptr<float>());
+  });
+  return out;
+}
 
 at::Tensor conv2d_sumsq_tiled_cpu(const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size,
                                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,

@@ -434,7 +434,8 @@ at::Tensor tiled_sumsq_cuda(const char* op, const LinearShape& s, const at::Tens
 at::Tensor linear_sumsq_tiled_cuda(const at::Tensor& a, const at::Tensor& g,
                                    const std::optional<at::Tensor>& scale,
                                    const std::optional<at::Tensor>& shift) {
-  const LinearShape s = check_linear_sumsq_inputs(a, g, scale, shift, c10::DeviceType::CUDA);
+  const LinearShape s =
+      check_linear_sumsq_inputs("linear_sumsq_tiled", a, g, scale, shift, c10::DeviceType::CUDA);
   return tiled_sumsq_cuda("linear_sumsq_tiled", s, a, g, scale, shift,
                           [&](const auto* pa, const auto* pg, const auto& launch) {
                             using T = std::remove_cv_t<std::remove_pointer_t<decltype(pa)>>;

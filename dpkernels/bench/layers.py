@@ -143,7 +143,7 @@ def layer_providers(shape: LayerShape, x: dict[str, Tensor], device: str) -> lis
 
     def bk(label: str, method: str, backend: str, dense: bool) -> Provider:
         s = scale if dense else None
-        picked = _pick_method(method, T, shape.d_out, shape.d_in, dense)
+        picked = _pick_method(method, T, shape.d_out, shape.d_in, dense, backend)
         note = picked if method == picked else f"{method} → {picked}"
 
         def call():
@@ -203,8 +203,10 @@ def bench_layer_shape(shape: LayerShape, cfg: BenchConfig, on_call=lambda p, pha
         "d_out": shape.d_out,
         "dtype": "float32",
         "device": cfg.device,
-        "auto_picks": _pick_method("auto", shape.T, shape.d_out, shape.d_in, False),
-        "auto_picks_dense_scale": _pick_method("auto", shape.T, shape.d_out, shape.d_in, True),
+        "auto_picks": _pick_method("auto", shape.T, shape.d_out, shape.d_in, False, NATIVE_BACKENDS[cfg.device][0]),
+        "auto_picks_dense_scale": _pick_method(
+            "auto", shape.T, shape.d_out, shape.d_in, True, NATIVE_BACKENDS[cfg.device][0]
+        ),
         "error_reference": "float64 dpkernels.reference.layers (materialised per-sample gradients)",
         "providers": list(rows.values()),
         "other_cpu_cores_during_timing": other,

@@ -72,6 +72,7 @@ using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tens
   X(conv2d_weighted_sum, conv2d_weighted_sum, at::Tensor,                                                    \
     (const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights, at::IntArrayRef kernel_size,       \
      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation))                             \
+  X(linear_sumsq_gram, linear_sumsq_gram, at::Tensor, (const at::Tensor& a, const at::Tensor& g))           \
   X(conv2d_sumsq_grad_sample, conv2d_sumsq_grad_sample, TensorPair,                                          \
     (const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size, at::IntArrayRef stride,          \
      at::IntArrayRef padding, at::IntArrayRef dilation, const OptionalTensor& scale,                         \

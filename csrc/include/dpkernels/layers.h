@@ -75,32 +75,30 @@ inline void check_epilogue_inputs(const char* op, const LinearShape& s, const at
   }
 }
 
-// Checks the inputs of linear_sumsq_tiled for a kernel on `device` and returns their sizes: a
-// [B, T, d_in] and g [B, T, d_out] of one dtype (float32, float16 or bfloat16), contiguous, on one
-// device; scale and shift absent or contiguous float32 [d_out, d_in] on the same device.
-inline LinearShape check_linear_sumsq_inputs(const at::Tensor& a, const at::Tensor& g,
+// Checks the inputs of `op` (linear_sumsq_tiled, linear_sumsq_gram) for a kernel on `device` and
+// returns their sizes: a [B, T, d_in] and g [B, T, d_out] of one dtype (float32, float16 or bfloat16),
+// contiguous, on one device; scale and shift absent or contiguous float32 [d_out, d_in] on the same device.
+inline LinearShape check_linear_sumsq_inputs(const char* op, const at::Tensor& a, const at::Tensor& g,
                                              const std::optional<at::Tensor>& scale,
                                              const std::optional<at::Tensor>& shift, c10::DeviceType device) {
-  DPK_CHECK(a.dim() == 3, "linear_sumsq_tiled: a must be 3-D [B, T, d_in], got ", a.dim(), "-D ", a.sizes());
-  DPK_CHECK(g.dim() == 3, "linear_sumsq_tiled: g must be 3-D [B, T, d_out], got ", g.dim(), "-D ", g.sizes());
-  DPK_CHECK(a.size(0) == g.size(0), "linear_sumsq_tiled: a and g must have the same batch size B, got a ",
-            a.sizes(), " and g ", g.sizes());
-  DPK_CHECK(a.size(1) == g.size(1),
-            "linear_sumsq_tiled: a and g must have the same sequence length T, got a ", a.sizes(), " and g ",
-            g.sizes());
+  DPK_CHECK(a.dim() == 3, op, ": a must be 3-D [B, T, d_in], got ", a.dim(), "-D ", a.sizes());
+  DPK_CHECK(g.dim() == 3, op, ": g must be 3-D [B, T, d_out], got ", g.dim(), "-D ", g.sizes());
+  DPK_CHECK(a.size(0) == g.size(0), op, ": a and g must have the same batch size B, got a ", a.sizes(),
+            " and g ", g.sizes());
+  DPK_CHECK(a.size(1) == g.size(1), op, ": a and g must have the same sequence length T, got a ", a.sizes(),
+            " and g ", g.sizes());
   const auto dt = a.scalar_type();
-  DPK_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "linear_sumsq_tiled: a has dtype ",
-            dt, "; supported: float32, float16, bfloat16");
-  DPK_CHECK(g.scalar_type() == dt, "linear_sumsq_tiled: a and g must have the same dtype, got a ", dt,
-            " and g ", g.scalar_type());
-  DPK_CHECK(a.device().type() == device, "linear_sumsq_tiled: a is on ", a.device(), ", expected a ", device,
+  DPK_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, ": a has dtype ", dt,
+            "; supported: float32, float16, bfloat16");
+  DPK_CHECK(g.scalar_type() == dt, op, ": a and g must have the same dtype, got a ", dt, " and g ",
+            g.scalar_type());
+  DPK_CHECK(a.device().type() == device, op, ": a is on ", a.device(), ", expected a ", device,
             " tensor for this kernel");
-  DPK_CHECK(g.device() == a.device(), "linear_sumsq_tiled: g is on ", g.device(), " but a is on ",
-            a.device());
-  DPK_CHECK(a.is_contiguous(), "linear_sumsq_tiled: a must be contiguous");
-  DPK_CHECK(g.is_contiguous(), "linear_sumsq_tiled: g must be contiguous");
+  DPK_CHECK(g.device() == a.device(), op, ": g is on ", g.device(), " but a is on ", a.device());
+  DPK_CHECK(a.is_contiguous(), op, ": a must be contiguous");
+  DPK_CHECK(g.is_contiguous(), op, ": g must be contiguous");
   const LinearShape s{a.size(0), a.size(1), a.size(2), g.size(2)};
-  check_epilogue_inputs("linear_sumsq_tiled", s, a, scale, shift);
+  check_epilogue_inputs(op, s, a, scale, shift);
   return s;
 }
 
