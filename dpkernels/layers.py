@@ -70,7 +70,10 @@ _GRAM_TILING = {"cpu": (64, 1 << 18)}
 _GRAM_TILING_DEFAULT = (None, 1 << 24)
 # The CPU's native Gram pass (dpkernels_C::linear_sumsq_gram) packs one sample's A and G whole per
 # thread: up to this many elements (T·(d_in + d_out), 16 MiB of fp32), beyond it the tiled GEMMs above.
+# Its tiles span 16 positions: below this T the batched GEMMs are faster (d = 1024, B = 32, on a
+# 2-core EPYC: T = 4 native ÷ bmm 4.0, T = 8 1.37, T = 12 0.88; docs/BENCHMARKS.md, "Book-keeping").
 _GRAM_NATIVE_MAX_ELEMS = 1 << 22
+_GRAM_NATIVE_MIN_T = 12
 # A conv's explicit im2col patches (Gram form) are built a chunk of samples at a time, at
 # most max(this, the input's size) elements per chunk: kh·kw times the input would otherwise double
 # a small CNN's peak memory.
@@ -403,7 +406,9 @@ class _CpuLayers(_AtenLayers):
 
     @staticmethod
     def gram(a, g):
-        if a.dtype == torch.float64 or a.shape[1] * (a.shape[2] + g.shape[2]) > _GRAM_NATIVE_MAX_ELEMS:
+        T = a.shape[1]
+        native = _GRAM_NATIVE_MIN_T <= T and T * (a.shape[2] + g.shape[2]) <= _GRAM_NATIVE_MAX_ELEMS
+        if a.dtype == torch.float64 or not native:
             return _gram_sumsq(a, g)
         return torch.ops.dpkernels_C.linear_sumsq_gram(a, g).double()
 
