@@ -1,7 +1,8 @@
-// CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::conv2d_sumsq_tiled,
-// dpkernels_C::conv2d_sumsq_grad_sample and dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp,
-// math and checks in layers.h): per-sample
-// ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i. Both are GEMMs blocked as in BLIS
+// CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::linear_sumsq_gram,
+// dpkernels_C::conv2d_sumsq_tiled, dpkernels_C::conv2d_sumsq_grad_sample and
+// dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
+// ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i (GramKernel: the same norm without
+// scale or shift as ⟨A_i A_iᵀ, G_i G_iᵀ⟩, neither Gram stored). Both are GEMMs blocked as in BLIS
 // whose output tile never leaves the registers: the epilogue applies shift and scale to the tile,
 // sums its squares in fp32 and adds that sum to fp64 accumulators. With more positions than one
 // chunk holds, the tiles of a block are parked in a per-thread buffer between chunks (the only time
