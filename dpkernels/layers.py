@@ -603,26 +603,31 @@ def _conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method, backend):
 
 
 def _conv2d_sumsq_grad_sample(x, g, weight_shape, geom, scale, shift, backend):
-    """``(norms, grad_sample)``: ``conv2d_sumsq``'s float64 ``[B]`` from the CPU's tiled kernel
-    together with the per-sample gradients ``g_i`` it squares (unscaled, unshifted; fp32
-    ``[B, *weight_shape]``, stored ``[B, kh, kw, C, O]``), for :func:`_grad_sample_weighted_sum`;
-    None where there is no such kernel (other backends, ``groups > 1``, float64)."""
-    if backend != "cpu" or geom.groups != 1 or x.dtype == torch.float64 or x.shape[0] == 0:
+    """``(norms, grad_samples)``: ``conv2d_sumsq``'s float64 ``[B]`` from the CPU's tiled kernel
+    together with the per-sample gradients ``g_i`` it squares (unscaled, unshifted), one fp32
+    ``[B, O/groups, C/groups, kh, kw]`` per group, stored ``[B, kh, kw, C/groups, O/groups]``, for
+    :func:`_grad_sample_weighted_sum`; None where there is no such kernel (other backends, float64)."""
+    if backend != "cpu" or x.dtype == torch.float64 or x.shape[0] == 0:
         return None
-    f32 = lambda t: None if t is None else t.float().reshape(t.shape[0], -1).contiguous()  # noqa: E731
-    sq, gs = torch.ops.dpkernels_C.conv2d_sumsq_grad_sample(x, g, geom.kernel_size, geom.stride, geom.padding,
-                                                            geom.dilation, f32(scale), f32(shift))  # fmt: skip
-    return sq.double(), gs
+    total, kept = None, []
+    for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
+        sc, sh = (None if t is None else _group_rows(t, geom.groups, j).float().contiguous() for t in (scale, shift))
+        sq, gs = torch.ops.dpkernels_C.conv2d_sumsq_grad_sample(xj, gj, geom.kernel_size, geom.stride, geom.padding,
+                                                                geom.dilation, sc, sh)  # fmt: skip
+        total = sq.double() if total is None else total + sq.double()
+        kept.append(gs)
+    return total, kept
 
 
-def _grad_sample_weighted_sum(grad_sample: Tensor, weights: Tensor) -> Tensor:
+def _grad_sample_weighted_sum(grad_samples: list[Tensor], weights: Tensor) -> Tensor:
     """``Σ_i w_i g_i`` of :func:`_conv2d_sumsq_grad_sample`'s per-sample gradients (fp32, the weight's
-    shape): the clip family's streaming weighted sum over their storage order."""
+    shape): per group, the clip family's streaming weighted sum over their storage order."""
     from .clip import CLIP
 
-    stored = grad_sample.permute(0, 3, 4, 2, 1)  # [B, kh, kw, C, O], contiguous
-    (total,) = CLIP.kernels("cpu").weighted_sum([[stored]], weights.float()[:, None].contiguous())
-    return total.permute(3, 2, 0, 1).contiguous()
+    stored = [gs.permute(0, 3, 4, 2, 1) for gs in grad_samples]  # [B, kh, kw, C/groups, O/groups], contiguous
+    sums = CLIP.kernels("cpu").weighted_sum([stored], weights.float()[:, None].expand(-1, len(stored)).contiguous())
+    parts = [s.permute(3, 2, 0, 1) for s in sums]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
 
 def _conv2d_weighted_sum(x, g, weights, weight_shape, geom, backend):
