@@ -314,6 +314,32 @@ def test_nonfinite_sample_raises_or_is_dropped(backend_device, name):
     _close_sums(sums, [s.float() for s in want_s])
 
 
+@pytest.mark.parametrize("hw, kept", [(16, True), (2, False)])
+def test_conv_keeps_per_sample_gradients_within_the_memory_rule(hw, kept):
+    """On the CPU a conv's norms keep its per-sample gradients (B·|W| fp32) only where they take no
+    more memory than the recorded input and output gradient: 16x16 images (4·8·9 weights against
+    (4 + 8)·256 activations a sample) keep them, 2x2 do not; the clipped sums agree either way."""
+    from dpkernels import bk as bk_mod
+
+    conv = nn.Conv2d(4, 8, 3, padding=1)
+    sums = []
+    for keeps in (bk_mod._keeps, lambda *args: False):
+        bk = BKModule(copy.deepcopy(conv), loss_reduction="sum")
+        bk(torch.randn(5, 4, hw, hw, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+        batch = bk.batch()
+        ((mb, _),) = batch.sets[0]
+        ((rule, (call,)),) = mb.items()
+        original, bk_mod._keeps = bk_mod._keeps, keeps
+        try:
+            sums.append(batch.clipped_sums(bk.trainable_parameters(), (1.0,), [1.0], "clip", 0.0, None, None,
+                                           False, "raise", "cpu")[0])  # fmt: skip
+            rule.norms([call], bk_mod._Aux(bk.trainable_parameters(), None, None), "cpu")
+        finally:
+            bk_mod._keeps = original
+        assert (call.kept is not None) == (kept and keeps is bk_mod._keeps)
+    _close_sums(sums[0], sums[1], rtol=1e-5)
+
+
 def test_overflowing_clipped_sum_raises(backend_device):
     """Four samples, each clipped within C = 3e38, sum past the float32 range: refused, naming the
     parameter, as the fused pipeline does."""
