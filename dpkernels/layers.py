@@ -254,16 +254,11 @@ class _AtenLayers:
     def conv2d_sumsq(cls, x, g, weight_shape, geom, scale, shift, method):
         if x.dtype == torch.float64:
             return ref.conv2d_sumsq(x, g, weight_shape, *geom[1:], scale, shift)
-        total = None
-        for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
-            sc, sh = _group_rows(scale, geom.groups, j), _group_rows(shift, geom.groups, j)
-            if method == "tiled":
-                f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-                part = cls.conv_tiled(xj, gj, geom, f32(sc), f32(sh)).double()
-            else:
-                part = _conv_gram_sumsq(xj, gj, geom, sh)
-            total = part if total is None else total + part
-        return total
+        if method == "tiled":
+            return _sum_over_groups(
+                x, g, geom, scale, shift, lambda xj, gj, sc, sh: cls.conv_tiled(xj, gj, geom, sc, sh)
+            )
+        return _sum_over_groups(x, g, geom, scale, shift, lambda xj, gj, sc, sh: _conv_gram_sumsq(xj, gj, geom, sh))
 
     @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
@@ -366,6 +361,17 @@ def _segments(ids, tok, num_embeddings, padding_idx):
         key, tok = key[keep], tok[keep]
     keys, rows = torch.unique(key, return_inverse=True)
     return keys, rows, tok
+
+
+def _sum_over_groups(x, g, geom, scale, shift, norms) -> Tensor:
+    """``Σ_j norms(x_j, g_j, scale_j, shift_j)`` in float64 over a conv's groups: channel slices of
+    ``x`` and ``g``, and the group's rows of ``scale``/``shift`` as contiguous fp32 matrices (or None)."""
+    total = None
+    for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
+        sc, sh = (None if t is None else _group_rows(t, geom.groups, j).float().contiguous() for t in (scale, shift))
+        part = norms(xj, gj, sc, sh).double()
+        total = part if total is None else total + part
+    return total
 
 
 def _group_views(x: Tensor, g: Tensor, groups: int):
@@ -609,14 +615,15 @@ def _conv2d_sumsq_grad_sample(x, g, weight_shape, geom, scale, shift, backend):
     :func:`_grad_sample_weighted_sum`; None where there is no such kernel (other backends, float64)."""
     if backend != "cpu" or x.dtype == torch.float64 or x.shape[0] == 0:
         return None
-    total, kept = None, []
-    for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
-        sc, sh = (None if t is None else _group_rows(t, geom.groups, j).float().contiguous() for t in (scale, shift))
+    kept = []
+
+    def norms(xj, gj, sc, sh):
         sq, gs = torch.ops.dpkernels_C.conv2d_sumsq_grad_sample(xj, gj, geom.kernel_size, geom.stride, geom.padding,
                                                                 geom.dilation, sc, sh)  # fmt: skip
-        total = sq.double() if total is None else total + sq.double()
         kept.append(gs)
-    return total, kept
+        return sq
+
+    return _sum_over_groups(x, g, geom, scale, shift, norms), kept
 
 
 def _grad_sample_weighted_sum(grad_samples: list[Tensor], weights: Tensor) -> Tensor:

@@ -462,18 +462,20 @@ struct GramKernel {
       pack_positions(g + i * s.T * s.d_out, s.T, s.d_out, nq, w.rows.data(), w.g.data());
       w.sample = i;
     }
+    // acc = the Gram tile of rows r0.. of panel q against panel p, over the d columns of `packed`.
+    const auto gram_tile = [&](const float* packed, int64_t d, int64_t r0, int64_t p, GramTile& acc) {
+      unpark(acc, nullptr, true);  // zero
+      fma_tile(packed + q * d * kNR + r0, packed + p * d * kNR, 1, d, 0, kNR, acc);
+    };
     cpu::WideSum wide;
     double diagonal = 0.0;
     alignas(64) float ga[kGramMR][kNR];
     for (int64_t r0 = 0; r0 < kNR && q * kNR + r0 < s.T; r0 += kGramMR) {
       for (int64_t p = q; p < nq; ++p) {
         GramTile acc;
-        unpark(acc, nullptr, true);  // zero
-        fma_tile(w.a.data() + q * s.d_in * kNR + r0, w.a.data() + p * s.d_in * kNR, 1, s.d_in, 0, kNR, acc);
+        gram_tile(w.a.data(), s.d_in, r0, p, acc);
         park(acc, &ga[0][0]);
-        unpark(acc, nullptr, true);
-        fma_tile(w.g.data() + q * s.d_out * kNR + r0, w.g.data() + p * s.d_out * kNR, 1, s.d_out, 0, kNR,
-                 acc);
+        gram_tile(w.g.data(), s.d_out, r0, p, acc);
         if (p > q) {  // every t after every s
           Vec sum(0.f);
 #pragma GCC unroll 16
