@@ -6,7 +6,8 @@ For a linear layer (per sample ``i``: ``A_i`` ``[T, d_in]``, ``G_i`` ``[T, d_out
 scale ``S`` (dense, or rank one ``s_out s_inᵀ``) and shift ``M``, by one of three methods:
 
 - ``"t1"`` (``T = 1``): ``‖a‖²‖b‖²``; with a dense scale ``(b∘b)ᵀ(S∘S)(a∘a)``, one ``[B, d_out] ×
-  [d_out, d_in]`` GEMM for the batch.
+  [d_out, d_in]`` GEMM for the batch (on ``cpu`` the native ``dpkernels_C::linear_sumsq_t1_scaled``,
+  which squares ``S`` block by block as it packs it and never stores the ``[B, d_in]`` product).
 - ``"gram"`` (no scale or rank one): ``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` on ``A·diag(s_in)``, ``G·diag(s_out)``,
   ``O(T²(d_in + d_out))`` per sample.
 - ``"tiled"`` (any scale): a per-sample product ``G_iᵀA_i`` computed tile by tile whose epilogue
@@ -184,7 +185,7 @@ class _AtenLayers:
         dt = _acc_dtype(a)
         a, g = a.to(dt), g.to(dt)
         if method == "t1":
-            sumsq = _t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale)
+            sumsq = cls.t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale)
         else:
             sumsq = cls.gram(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
         if shift is not None:
@@ -195,6 +196,11 @@ class _AtenLayers:
     def gram(a, g):
         """``⟨A_i A_iᵀ, G_i G_iᵀ⟩``, float64 ``[B]`` (:func:`_gram_sumsq`)."""
         return _gram_sumsq(a, g)
+
+    @staticmethod
+    def t1_sumsq(a, g, s_out, s_in, scale):
+        """``T = 1`` norms of ``[B, d]`` rows, float64 ``[B]`` (:func:`_t1_sumsq`)."""
+        return _t1_sumsq(a, g, s_out, s_in, scale)
 
     @staticmethod
     def rows_sumsq(rows, scales=None):
@@ -419,6 +425,14 @@ class _CpuLayers(_AtenLayers):
         return torch.ops.dpkernels_C.linear_sumsq_gram(a, g).double()
 
     @staticmethod
+    def t1_sumsq(a, g, s_out, s_in, scale):
+        if scale is None or a.dtype == torch.float64:
+            return _t1_sumsq(a, g, s_out, s_in, scale)
+        # ATen's form squares S in a pass of its own before the GEMM; the native one squares each
+        # block of S as it packs it, and dots the product with a∘a in the tile's epilogue
+        return torch.ops.dpkernels_C.linear_sumsq_t1_scaled(a, g, scale.float().contiguous()).double()
+
+    @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
         if x.dtype == torch.float64:
             return _AtenLayers.conv2d_weighted_sum(x, g, weights, weight_shape, geom)
@@ -472,6 +486,11 @@ if _backend.has_native_ops():
     @torch.library.register_fake("dpkernels_C::linear_sumsq_gram")
     def _(a, g):
         torch._check(a.dim() == 3 and g.dim() == 3, lambda: "linear_sumsq_gram takes [B, T, d] a and g")
+        return a.new_empty((a.shape[0],), dtype=torch.float32)
+
+    @torch.library.register_fake("dpkernels_C::linear_sumsq_t1_scaled")
+    def _(a, g, scale):
+        torch._check(a.dim() == 2 and g.dim() == 2, lambda: "linear_sumsq_t1_scaled takes [B, d] a and g")
         return a.new_empty((a.shape[0],), dtype=torch.float32)
 
     @torch.library.register_fake("dpkernels_C::conv2d_sumsq_grad_sample")

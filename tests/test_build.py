@@ -84,8 +84,13 @@ def test_every_native_op_has_its_kernels():
     header = (ROOT / "csrc" / "include" / "dpkernels" / "kernels.h").read_text()
     listed = re.findall(r"^\s+X\((\w+), ", header, re.M)
     cpu_only = re.findall(r"^\s+X\((\w+), ", header.split("#define DPK_FOR_EACH_CPU_KERNEL")[1].split("\n//")[0], re.M)
-    assert len(schemas) == 20 and sorted(listed) == sorted(schemas)
-    assert cpu_only == ["conv2d_weighted_sum", "linear_sumsq_gram", "conv2d_sumsq_grad_sample"]
+    assert len(schemas) == 21 and sorted(listed) == sorted(schemas)
+    assert cpu_only == [
+        "conv2d_weighted_sum",
+        "linear_sumsq_gram",
+        "linear_sumsq_t1_scaled",
+        "conv2d_sumsq_grad_sample",
+    ]
     tables = _native_op_tables()
     assert sorted(tables) == sorted(f"dpkernels_C::{s}" for s in schemas)
     assert [n for n, t in tables.items() if not re.search(r"^CPU: registered at .*module\.cpp", t, re.M)] == []

@@ -1,4 +1,5 @@
 """The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::linear_sumsq_gram``,
+``dpkernels_C::linear_sumsq_t1_scaled``,
 ``dpkernels_C::conv2d_sumsq_tiled``, ``dpkernels_C::conv2d_weighted_sum`` and
 ``dpkernels_C::conv2d_sumsq_grad_sample`` (csrc/cpu/layers.cpp,
 csrc/cuda/layers.cu) against the float64 references ``dpkernels.reference.layers.linear_sumsq``,
@@ -212,6 +213,69 @@ def test_gram_opcheck():
     a, g, _, _ = _inputs(3, 5, 7, 13, torch.float32, "cpu", False, False)
     op = torch.ops.dpkernels_C.linear_sumsq_gram.default
     for args in ((a, g), (a.half(), g.half())):
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# linear_sumsq_t1_scaled (CPU only: CUDA's is cuBLAS's GEMM). (B, d_in, d_out): single elements; B
+# not a multiple of the 6-sample tile; d_in past one 128-column block and not a multiple of a 16- or
+# 8-column panel; d_out past one 256-row block; B past the 6-sample tile with d_out < 256.
+T1_SHAPES = [(1, 1, 1), (3, 7, 13), (7, 300, 260), (13, 17, 600), (6, 129, 257), (64, 40, 10)]
+
+
+def _t1_op(a, g, scale):
+    return torch.ops.dpkernels_C.linear_sumsq_t1_scaled(a, g, scale)
+
+
+@pytest.mark.parametrize("dtype", list(RTOL), ids=str)
+@pytest.mark.parametrize("shape", T1_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_t1_scaled_matches_reference(shape, dtype):
+    """Σ_{o,k} S²g²a²: non-negative terms, so the fp32 tile sums meet the tiled kernel's tolerance."""
+    B, d_in, d_out = shape
+    a, g, sc, _ = _inputs(B, 1, d_in, d_out, dtype, "cpu", True, False, seed=5)
+    out = _t1_op(a[:, 0], g[:, 0], sc)
+    assert out.dtype == torch.float32 and out.shape == (B,)
+    torch.testing.assert_close(out.double(), _reference(a, g, sc, None), rtol=RTOL[dtype], atol=1e-30)
+    # The tiled kernel squares S(g aᵀ) element by element: the same norms, another rounding.
+    torch.testing.assert_close(out, _op(a, g, sc), rtol=2 * RTOL[dtype], atol=1e-30)
+
+
+def test_t1_scaled_deterministic_and_zero_sized():
+    """Per-(block, sample) partials summed in block order: the same bits on any thread count."""
+    a, g, sc, _ = _inputs(9, 1, 300, 520, torch.float32, "cpu", True, False, seed=6)
+    a, g = a[:, 0], g[:, 0]
+    first = _t1_op(a, g, sc)
+    assert torch.equal(first, _t1_op(a, g, sc))
+    assert torch.equal(first, _on_one_thread(lambda: _t1_op(a, g, sc)))
+    assert _t1_op(a[:0], g[:0], sc).shape == (0,)
+    assert torch.equal(_t1_op(a[:, :0], g, sc[:, :0].contiguous()), torch.zeros(9))
+    assert torch.equal(_t1_op(a, g[:, :0], sc[:0]), torch.zeros(9))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.randn(2, 1, 3), torch.randn(2, 4), torch.rand(4, 3)), "a must be 2-D"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 1, 4), torch.rand(4, 3)), "g must be 2-D"),
+        (lambda: (torch.randn(2, 3), torch.randn(3, 4), torch.rand(4, 3)), "same batch size"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4).half(), torch.rand(4, 3)), "same dtype"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(3, 4)), r"scale must be \[d_out"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(4, 3).double()), "must be float32"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(3, 4).T), "must be contiguous"),
+        (lambda: (torch.randn(3, 2).T, torch.randn(2, 4), torch.rand(4, 3)), "a must be contiguous"),
+    ],
+)
+def test_t1_scaled_bad_input(make, match):
+    with pytest.raises(RuntimeError, match="linear_sumsq_t1_scaled: .*" + match):
+        _t1_op(*make())
+
+
+def test_t1_scaled_opcheck():
+    a, g, sc, _ = _inputs(3, 1, 7, 13, torch.float32, "cpu", True, False)
+    op = torch.ops.dpkernels_C.linear_sumsq_t1_scaled.default
+    for args in ((a[:, 0], g[:, 0], sc), (a[:, 0].bfloat16(), g[:, 0].bfloat16(), sc)):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

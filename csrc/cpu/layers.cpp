@@ -1,5 +1,6 @@
 // CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::linear_sumsq_gram,
-// dpkernels_C::conv2d_sumsq_tiled, dpkernels_C::conv2d_sumsq_grad_sample and
+// dpkernels_C::linear_sumsq_t1_scaled (T1ScaledKernel: the T = 1 norm under a dense scale as one
+// GEMM for the batch), dpkernels_C::conv2d_sumsq_tiled, dpkernels_C::conv2d_sumsq_grad_sample and
 // dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
 // ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i (GramKernel: the same norm without
 // scale or shift as ⟨A_i A_iᵀ, G_i G_iᵀ⟩, neither Gram stored). Both are GEMMs blocked as in BLIS
@@ -503,6 +504,130 @@ struct GramKernel {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Linear, T = 1 with a dense scale: Σ_{o, k} scale[o, k]² g_i[o]² a_i[k]², one GEMM for the batch.
+// ---------------------------------------------------------------------------------------------
+
+// A block: kT1BlockO rows o (the length of its tiles' sums) × kT1PanelsK column micro-panels.
+// Its squared scale, [kT1PanelsK][kT1BlockO][kNR] fp32 (128 KiB at kNR = 16), stays in L2 while
+// every sample panel passes through it; one micro-panel (16 KiB) stays in L1 while they do.
+constexpr int64_t kT1BlockO = 256;
+constexpr int64_t kT1PanelsK = 8;
+constexpr int64_t kT1PrefetchRows = 8;
+constexpr int64_t kCacheLineFloats = 16;
+
+// Per-thread buffers of T1ScaledKernel: one block's squared scale, and each sample's fp64 sum over
+// the block.
+struct T1Scratch {
+  std::vector<float> scale_sq;
+  std::vector<cpu::WideSum> sums;
+};
+
+// g_i² and a_i² as fp32, packed once per call: g2 [ceil(B / kMR)][d_out][kMR] (a panel of kMR
+// samples per row o, the tiles' broadcast operand; zero past B), a2 [B][round_up(d_in, kNR)]
+// (zero past d_in).
+template <typename scalar_t>
+void pack_t1_squares(const scalar_t* a, const scalar_t* g, const LinearShape& s, float* a2, float* g2) {
+  const int64_t np = ceil_div(s.B, kMR), d_in_p = round_up(s.d_in, kNR);
+  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> row(s.d_out);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* gp = g2 + p * s.d_out * kMR;
+      for (int64_t r = 0; r < kMR; ++r) {
+        const int64_t i = p * kMR + r;
+        if (i >= s.B) {
+          for (int64_t o = 0; o < s.d_out; ++o) gp[o * kMR + r] = 0.f;
+          continue;
+        }
+        cpu::widen_to_float(g + i * s.d_out, s.d_out, row.data());
+        for (int64_t o = 0; o < s.d_out; ++o) gp[o * kMR + r] = row[o] * row[o];
+        float* ai = a2 + i * d_in_p;
+        cpu::widen_to_float(a + i * s.d_in, s.d_in, ai);
+        for (int64_t k = 0; k < s.d_in; ++k) ai[k] *= ai[k];
+        std::fill(ai + s.d_in, ai + d_in_p, 0.f);
+      }
+    }
+  });
+}
+
+// The T = 1 norm under a dense scale as a GEMM, out[i] = Σ_k a_i[k]² (Σ_o g_i[o]² scale[o, k]²):
+// tiles of kMR samples × kNR columns k summed over a block's rows o in registers, the epilogue
+// dotting each tile row with a_i² and widening it into the sample's fp64 sum. The squared scale is
+// formed as each block is packed, so neither it nor the [B, d_in] product reaches memory (ATen's
+// (g∘g)(S∘S) costs an S∘S pass and a GEMM; docs/BENCHMARKS.md, "Book-keeping"). Every term is
+// non-negative: no cancellation.
+struct T1ScaledKernel {
+  LinearShape s;
+  const float* scale;
+  const float* a2;
+  const float* g2;
+  int64_t np = ceil_div(s.B, kMR), d_in_p = round_up(s.d_in, kNR);
+  int64_t nbo = ceil_div(s.d_out, kT1BlockO), nbk = ceil_div(s.d_in, kT1PanelsK* kNR);
+
+  int64_t blocks() const { return nbo * nbk; }
+  void block(int64_t blk, int64_t& o0, int64_t& bo, int64_t& k0, int64_t& bk) const {
+    o0 = (blk / nbk) * kT1BlockO;
+    k0 = (blk % nbk) * kT1PanelsK * kNR;
+    bo = std::min(kT1BlockO, s.d_out - o0);
+    bk = std::min(kT1PanelsK * kNR, s.d_in - k0);
+  }
+  int64_t cost(int64_t blk) const {
+    int64_t o0, bo, k0, bk;
+    block(blk, o0, bo, k0, bk);
+    return (s.B + 1) * bo * bk;
+  }
+  T1Scratch scratch() const {
+    return T1Scratch{std::vector<float>(kT1PanelsK * kT1BlockO * kNR), std::vector<cpu::WideSum>(s.B)};
+  }
+
+  // partial[i] = block blk's part of sample i's norm, for every sample.
+  void block_sums(int64_t blk, T1Scratch& w, double* partial) const {
+    int64_t o0, bo, k0, bk;
+    block(blk, o0, bo, k0, bk);
+    const int64_t nq = ceil_div(bk, kNR);
+    // scale_sq[q][o][lane] = scale[o0 + o][k0 + q kNR + lane]², zero past d_in.
+    for (int64_t o = 0; o < bo; ++o) {
+      const float* src = scale + (o0 + o) * s.d_in + k0;
+      // A block's rows are 512-byte runs a page apart, too short for the hardware prefetcher to
+      // follow: fetch the run kT1PrefetchRows rows ahead into L2 (1.29 -> 0.90 ms for B = 64, d =
+      // 1024 on two Zen 4 cores, the scale read from memory).
+      if (o + kT1PrefetchRows < bo) {
+        for (int64_t c = 0; c < bk; c += kCacheLineFloats)
+          __builtin_prefetch(src + kT1PrefetchRows * s.d_in + c, 0, 2);
+      }
+      for (int64_t q = 0; q < nq; ++q) {
+        float* dst = w.scale_sq.data() + (q * bo + o) * kNR;
+        for (int v = 0; v < kNV; ++v) {
+          const int64_t col = q * kNR + v * Vec::size();
+          const Vec x = col + Vec::size() <= bk ? Vec::loadu(src + col)
+                                                : Vec::loadu(src + col, std::max<int64_t>(0, bk - col));
+          (x * x).store(dst + v * Vec::size());
+        }
+      }
+    }
+    for (auto& x : w.sums) x = cpu::WideSum();
+    for (int64_t q = 0; q < nq; ++q) {
+      const float* sq = w.scale_sq.data() + q * bo * kNR;
+      for (int64_t p = 0; p < np; ++p) {
+        Tile acc;
+        unpark(acc, nullptr, true);  // zero
+        fma_tile(g2 + (p * s.d_out + o0) * kMR, sq, 1, bo, 0, kMR, acc);
+        const int64_t rows = std::min<int64_t>(kMR, s.B - p * kMR);
+#pragma GCC unroll 16
+        for (int r = 0; r < kMR; ++r) {
+          if (r >= rows) break;
+          const float* ai = a2 + (p * kMR + r) * d_in_p + k0 + q * kNR;
+          Vec t = acc[r][0] * Vec::loadu(ai);
+#pragma GCC unroll 4
+          for (int v = 1; v < kNV; ++v) t = cpu::fmadd(acc[r][v], Vec::loadu(ai + v * Vec::size()), t);
+          w.sums[p * kMR + r].add(t);
+        }
+      }
+    }
+    for (int64_t i = 0; i < s.B; ++i) partial[i] = w.sums[i].total();
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Conv2d: the direct kernel (no patches).
 // ---------------------------------------------------------------------------------------------
 
@@ -787,6 +912,38 @@ at::Tensor linear_sumsq_gram_cpu(const at::Tensor& a, const at::Tensor& g) {
     const GramKernel<scalar_t> kernel{a.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), s};
     sum_blocks(kernel, s.B, kernel.blocks(), false, false, false, out.data_ptr<float>());
   });
+  return out;
+}
+
+at::Tensor linear_sumsq_t1_scaled_cpu(const at::Tensor& a, const at::Tensor& g, const at::Tensor& scale) {
+  constexpr const char* op = "linear_sumsq_t1_scaled";
+  DPK_CHECK(a.dim() == 2, op, ": a must be 2-D [B, d_in], got ", a.dim(), "-D ", a.sizes());
+  DPK_CHECK(g.dim() == 2, op, ": g must be 2-D [B, d_out], got ", g.dim(), "-D ", g.sizes());
+  const LinearShape s = check_linear_sumsq_inputs(op, a.unsqueeze(1), g.unsqueeze(1), scale, std::nullopt,
+                                                  c10::DeviceType::CPU);
+  auto out = new_output({s.B}, a.options().dtype(at::kFloat));
+  if (s.B == 0) return out;
+  if (s.d_in == 0 || s.d_out == 0) return out.zero_();
+  std::vector<float> a2(s.B * round_up(s.d_in, kNR)), g2(ceil_div(s.B, kMR) * kMR * s.d_out);
+  DPK_DISPATCH_GRAD_TYPES(a.scalar_type(), op, [&] {
+    pack_t1_squares(a.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), s, a2.data(), g2.data());
+  });
+  const T1ScaledKernel kernel{s, scale.const_data_ptr<float>(), a2.data(), g2.data()};
+  const int64_t blocks = kernel.blocks();
+  std::vector<int64_t> cost(blocks);
+  for (int64_t blk = 0; blk < blocks; ++blk) cost[blk] = kernel.cost(blk);
+  // NaN until written: a block a task missed would poison the norms, never read as 0.
+  std::vector<double> partial(blocks * s.B, std::numeric_limits<double>::quiet_NaN());
+  cpu::parallel_over_tasks(cost, [&](int64_t b0, int64_t b1) {
+    auto w = kernel.scratch();
+    for (int64_t blk = b0; blk < b1; ++blk) kernel.block_sums(blk, w, partial.data() + blk * s.B);
+  });
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < s.B; ++i) {
+    double total = 0.0;
+    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[blk * s.B + i];
+    o[i] = static_cast<float>(total);
+  }
   return out;
 }
 
