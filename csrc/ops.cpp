@@ -110,10 +110,12 @@ TORCH_LIBRARY(dpkernels_C, m) {
   // triangle, no Gram stored; the same inputs and output (CPU only: CUDA's is two cuBLAS batched GEMMs,
   // dpkernels/layers.py).
   m.def("linear_sumsq_gram(Tensor a, Tensor g) -> Tensor");
-  // linear_sumsq_tiled at T = 1 with a dense scale, Σ_{o, k} scale[o, k]² g[i, o]² a[i, k]² for a [B, d_in]
-  // and g [B, d_out] (float32, float16 or bfloat16), scale float32 [d_out, d_in]: one GEMM for the
-  // batch, the squared scale never stored (CPU only: CUDA's is a cuBLAS GEMM, dpkernels/layers.py).
-  m.def("linear_sumsq_t1_scaled(Tensor a, Tensor g, Tensor scale) -> Tensor");
+  // linear_sumsq_tiled at T = 1, ‖scale ⊙ (g_i a_iᵀ − shift)‖² for a [B, d_in] and g [B, d_out]
+  // (float32, float16 or bfloat16), scale and shift float32 [d_out, d_in], at least one of them: with
+  // a scale only one GEMM for the batch, Σ_{o,k} scale² g² a², the squared scale never stored; with a
+  // shift element by element (no cancellation). CPU only: CUDA's is cuBLAS's GEMM and the tiled kernel,
+  // dpkernels/layers.py.
+  m.def("linear_sumsq_t1(Tensor a, Tensor g, Tensor? scale, Tensor? shift) -> Tensor");
   // conv2d_sumsq_tiled's norms and the per-sample products they square, (float32 [B], float32 [B, O, C,
   // kh, kw] stored as [B, kh, kw, C, O]): the clipped sum is then a weighted sum over B, not a product
   // over B·T positions (CPU only; the BK engine's choice, dpkernels/bk.py).

@@ -6,7 +6,7 @@ For a linear layer (per sample ``i``: ``A_i`` ``[T, d_in]``, ``G_i`` ``[T, d_out
 scale ``S`` (dense, or rank one ``s_out s_inᵀ``) and shift ``M``, by one of three methods:
 
 - ``"t1"`` (``T = 1``): ``‖a‖²‖b‖²``; with a dense scale ``(b∘b)ᵀ(S∘S)(a∘a)``, one ``[B, d_out] ×
-  [d_out, d_in]`` GEMM for the batch (on ``cpu`` the native ``dpkernels_C::linear_sumsq_t1_scaled``,
+  [d_out, d_in]`` GEMM for the batch (on ``cpu`` the native ``dpkernels_C::linear_sumsq_t1``,
   which squares ``S`` block by block as it packs it and never stores the ``[B, d_in]`` product).
 - ``"gram"`` (no scale or rank one): ``⟨A_i A_iᵀ, G_i G_iᵀ⟩`` on ``A·diag(s_in)``, ``G·diag(s_out)``,
   ``O(T²(d_in + d_out))`` per sample.
@@ -16,7 +16,8 @@ scale ``S`` (dense, or rank one ``s_out s_inᵀ``) and shift ``M``, by one of th
   arXiv:2507.01154, with the scale and shift added).
 
 A shift adds ``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` to the first two, the middle term ``Σ_t G_itᵀ(S²⊙M)A_it``
-being one GEMM of the forward's size. ``"auto"`` picks among them from the shapes and the scale
+being one GEMM of the forward's size (on ``cpu``, ``"t1"`` with a shift forms and squares every
+element of ``S ⊙ (g aᵀ − M)`` instead, in the same native op: no expansion to cancel). ``"auto"`` picks among them from the shapes and the scale
 (crossover measured in docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
 :func:`linear_weighted_sum` is ``(w ⊙ G)ᵀ A``, one GEMM over all ``B·T`` rows. Conv2d is the linear
 case over im2col patches (:func:`conv2d_sumsq`; its clipped sum :func:`conv2d_weighted_sum` is, on
@@ -182,12 +183,11 @@ class _AtenLayers:
             # ‖a‖²‖g‖² (times the rank-one scale's rows): both row norms in one multi-tensor pass
             sq = cls.rows_sumsq([a[:, 0], g[:, 0]], None if s_out is None else [s_in.float(), s_out.float()])
             return sq[:, 0] * sq[:, 1]
+        if method == "t1":
+            return cls.t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale, shift)
         dt = _acc_dtype(a)
         a, g = a.to(dt), g.to(dt)
-        if method == "t1":
-            sumsq = cls.t1_sumsq(a[:, 0], g[:, 0], s_out, s_in, scale)
-        else:
-            sumsq = cls.gram(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
+        sumsq = cls.gram(a if s_in is None else a * s_in.to(dt), g if s_out is None else g * s_out.to(dt))
         if shift is not None:
             sumsq = sumsq + _shift_terms(a, g, s_out, s_in, scale, shift)
         return sumsq.clamp_min_(0.0)
@@ -198,9 +198,15 @@ class _AtenLayers:
         return _gram_sumsq(a, g)
 
     @staticmethod
-    def t1_sumsq(a, g, s_out, s_in, scale):
-        """``T = 1`` norms of ``[B, d]`` rows, float64 ``[B]`` (:func:`_t1_sumsq`)."""
-        return _t1_sumsq(a, g, s_out, s_in, scale)
+    def t1_sumsq(a, g, s_out, s_in, scale, shift):
+        """``T = 1`` norms of ``[B, d]`` rows, float64 ``[B]``: :func:`_t1_sumsq` and the shift's
+        terms (:func:`_shift_terms`)."""
+        dt = _acc_dtype(a)
+        a, g = a.to(dt), g.to(dt)
+        sumsq = _t1_sumsq(a, g, s_out, s_in, scale)
+        if shift is not None:
+            sumsq = sumsq + _shift_terms(a[:, None], g[:, None], s_out, s_in, scale, shift)
+        return sumsq.clamp_min_(0.0)
 
     @staticmethod
     def rows_sumsq(rows, scales=None):
@@ -425,12 +431,16 @@ class _CpuLayers(_AtenLayers):
         return torch.ops.dpkernels_C.linear_sumsq_gram(a, g).double()
 
     @staticmethod
-    def t1_sumsq(a, g, s_out, s_in, scale):
-        if scale is None or a.dtype == torch.float64:
-            return _t1_sumsq(a, g, s_out, s_in, scale)
-        # ATen's form squares S in a pass of its own before the GEMM; the native one squares each
-        # block of S as it packs it, and dots the product with a∘a in the tile's epilogue
-        return torch.ops.dpkernels_C.linear_sumsq_t1_scaled(a, g, scale.float().contiguous()).double()
+    def t1_sumsq(a, g, s_out, s_in, scale, shift):
+        """The native ``T = 1`` pass: with a dense scale one GEMM that squares ``S`` as it packs it
+        (ATen's form squares it in a pass of its own first); with a shift every element formed and
+        squared, no expansion to cancel."""
+        if a.dtype == torch.float64 or (scale is None and shift is None):
+            return _AtenLayers.t1_sumsq(a, g, s_out, s_in, scale, shift)
+        if s_out is not None:  # rank one, with a shift (without one the rows' norms serve)
+            scale = s_out.float()[:, None] * s_in.float()[None, :]
+        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+        return torch.ops.dpkernels_C.linear_sumsq_t1(a, g, f32(scale), f32(shift)).double()
 
     @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):
@@ -488,9 +498,9 @@ if _backend.has_native_ops():
         torch._check(a.dim() == 3 and g.dim() == 3, lambda: "linear_sumsq_gram takes [B, T, d] a and g")
         return a.new_empty((a.shape[0],), dtype=torch.float32)
 
-    @torch.library.register_fake("dpkernels_C::linear_sumsq_t1_scaled")
-    def _(a, g, scale):
-        torch._check(a.dim() == 2 and g.dim() == 2, lambda: "linear_sumsq_t1_scaled takes [B, d] a and g")
+    @torch.library.register_fake("dpkernels_C::linear_sumsq_t1")
+    def _(a, g, scale, shift):
+        torch._check(a.dim() == 2 and g.dim() == 2, lambda: "linear_sumsq_t1 takes [B, d] a and g")
         return a.new_empty((a.shape[0],), dtype=torch.float32)
 
     @torch.library.register_fake("dpkernels_C::conv2d_sumsq_grad_sample")

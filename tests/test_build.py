@@ -88,7 +88,7 @@ def test_every_native_op_has_its_kernels():
     assert cpu_only == [
         "conv2d_weighted_sum",
         "linear_sumsq_gram",
-        "linear_sumsq_t1_scaled",
+        "linear_sumsq_t1",
         "conv2d_sumsq_grad_sample",
     ]
     tables = _native_op_tables()

@@ -1,5 +1,5 @@
 """The native ops ``dpkernels_C::linear_sumsq_tiled``, ``dpkernels_C::linear_sumsq_gram``,
-``dpkernels_C::linear_sumsq_t1_scaled``,
+``dpkernels_C::linear_sumsq_t1``,
 ``dpkernels_C::conv2d_sumsq_tiled``, ``dpkernels_C::conv2d_weighted_sum`` and
 ``dpkernels_C::conv2d_sumsq_grad_sample`` (csrc/cpu/layers.cpp,
 csrc/cuda/layers.cu) against the float64 references ``dpkernels.reference.layers.linear_sumsq``,
@@ -219,63 +219,87 @@ def test_gram_opcheck():
         assert all(v == "SUCCESS" for v in results.values()), results
 
 
-# linear_sumsq_t1_scaled (CPU only: CUDA's is cuBLAS's GEMM). (B, d_in, d_out): single elements; B
-# not a multiple of the 6-sample tile; d_in past one 128-column block and not a multiple of a 16- or
-# 8-column panel; d_out past one 256-row block; B past the 6-sample tile with d_out < 256.
+# linear_sumsq_t1 (CPU only: CUDA's T = 1 norms are cuBLAS GEMMs). (B, d_in, d_out): single elements;
+# B not a multiple of either tile's samples (6, or 2 and 6 with a shift); d_in past one 128-column
+# block and not a multiple of a 16- or 8-column panel; d_out past one 256-row block; B past the
+# 6-sample tile with d_out < 256.
 T1_SHAPES = [(1, 1, 1), (3, 7, 13), (7, 300, 260), (13, 17, 600), (6, 129, 257), (64, 40, 10)]
+T1_FORMS = [(True, False), (True, True), (False, True)]  # (scale, shift): the GEMM form, then the elementwise one
 
 
-def _t1_op(a, g, scale):
-    return torch.ops.dpkernels_C.linear_sumsq_t1_scaled(a, g, scale)
+def _t1_op(a, g, scale=None, shift=None):
+    return torch.ops.dpkernels_C.linear_sumsq_t1(a, g, scale, shift)
 
 
 @pytest.mark.parametrize("dtype", list(RTOL), ids=str)
 @pytest.mark.parametrize("shape", T1_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_t1_scaled_matches_reference(shape, dtype):
-    """Σ_{o,k} S²g²a²: non-negative terms, so the fp32 tile sums meet the tiled kernel's tolerance."""
+def test_t1_matches_reference(shape, dtype):
+    """Scale only: Σ S²g²a², non-negative terms; with a shift every element formed and squared. Both
+    meet the tiled kernel's tolerance, and agree with it."""
     B, d_in, d_out = shape
-    a, g, sc, _ = _inputs(B, 1, d_in, d_out, dtype, "cpu", True, False, seed=5)
-    out = _t1_op(a[:, 0], g[:, 0], sc)
-    assert out.dtype == torch.float32 and out.shape == (B,)
-    torch.testing.assert_close(out.double(), _reference(a, g, sc, None), rtol=RTOL[dtype], atol=1e-30)
-    # The tiled kernel squares S(g aᵀ) element by element: the same norms, another rounding.
-    torch.testing.assert_close(out, _op(a, g, sc), rtol=2 * RTOL[dtype], atol=1e-30)
+    for scale, shift in T1_FORMS:
+        a, g, sc, sh = _inputs(B, 1, d_in, d_out, dtype, "cpu", scale, shift, seed=5)
+        out = _t1_op(a[:, 0], g[:, 0], sc, sh)
+        assert out.dtype == torch.float32 and out.shape == (B,)
+        msg = lambda m, sc=scale, sh=shift: f"scale={sc} shift={sh}: {m}"  # noqa: E731
+        torch.testing.assert_close(out.double(), _reference(a, g, sc, sh), rtol=RTOL[dtype], atol=1e-30, msg=msg)
+        torch.testing.assert_close(out, _op(a, g, sc, sh), rtol=2 * RTOL[dtype], atol=1e-30, msg=msg)
 
 
-def test_t1_scaled_deterministic_and_zero_sized():
+def test_t1_shift_does_not_cancel():
+    """A sample whose gradient g aᵀ is within 0.1% of the shift, element by element: the norm is 1e-6
+    of ‖S⊙g aᵀ‖², which the expansion ‖S⊙g aᵀ‖² − 2⟨S²⊙M, g aᵀ⟩ + ‖S⊙M‖² in fp32 cannot resolve
+    (its error here is ~4e-3 of the norm); the elementwise form keeps the fp32 rounding of each
+    element."""
+    gen = torch.Generator().manual_seed(8)
+    a, g = 30 * torch.randn(4, 256, generator=gen), 30 * torch.randn(4, 256, generator=gen)
+    sc = torch.rand(256, 256, generator=gen) + 0.5
+    sh = torch.outer(g[0], a[0]) * (1 + 1e-3 * torch.randn(256, 256, generator=gen))
+    want = linear_sumsq(a[:, None], g[:, None], sc, sh)
+    assert want[0] < 1e-5 * linear_sumsq(a[:1, None], g[:1, None], sc)[0]
+    torch.testing.assert_close(_t1_op(a, g, sc, sh).double(), want, rtol=1e-5, atol=0)
+
+
+def test_t1_deterministic_and_zero_sized():
     """Per-(block, sample) partials summed in block order: the same bits on any thread count."""
-    a, g, sc, _ = _inputs(9, 1, 300, 520, torch.float32, "cpu", True, False, seed=6)
-    a, g = a[:, 0], g[:, 0]
-    first = _t1_op(a, g, sc)
-    assert torch.equal(first, _t1_op(a, g, sc))
-    assert torch.equal(first, _on_one_thread(lambda: _t1_op(a, g, sc)))
-    assert _t1_op(a[:0], g[:0], sc).shape == (0,)
-    assert torch.equal(_t1_op(a[:, :0], g, sc[:, :0].contiguous()), torch.zeros(9))
-    assert torch.equal(_t1_op(a, g[:, :0], sc[:0]), torch.zeros(9))
+    for scale, shift in T1_FORMS:
+        a, g, sc, sh = _inputs(9, 1, 300, 520, torch.float32, "cpu", scale, shift, seed=6)
+        a, g = a[:, 0], g[:, 0]
+        first = _t1_op(a, g, sc, sh)
+        assert torch.equal(first, _t1_op(a, g, sc, sh))
+        assert torch.equal(first, _on_one_thread(lambda a=a, g=g, sc=sc, sh=sh: _t1_op(a, g, sc, sh)))
+        assert _t1_op(a[:0], g[:0], sc, sh).shape == (0,)
+        cols = lambda t: None if t is None else t[:, :0].contiguous()  # noqa: E731
+        rows = lambda t: None if t is None else t[:0]  # noqa: E731
+        assert torch.equal(_t1_op(a[:, :0], g, cols(sc), cols(sh)), torch.zeros(9))
+        assert torch.equal(_t1_op(a, g[:, :0], rows(sc), rows(sh)), torch.zeros(9))
 
 
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: (torch.randn(2, 1, 3), torch.randn(2, 4), torch.rand(4, 3)), "a must be 2-D"),
-        (lambda: (torch.randn(2, 3), torch.randn(2, 1, 4), torch.rand(4, 3)), "g must be 2-D"),
-        (lambda: (torch.randn(2, 3), torch.randn(3, 4), torch.rand(4, 3)), "same batch size"),
-        (lambda: (torch.randn(2, 3), torch.randn(2, 4).half(), torch.rand(4, 3)), "same dtype"),
-        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(3, 4)), r"scale must be \[d_out"),
-        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(4, 3).double()), "must be float32"),
-        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(3, 4).T), "must be contiguous"),
-        (lambda: (torch.randn(3, 2).T, torch.randn(2, 4), torch.rand(4, 3)), "a must be contiguous"),
+        (lambda: (torch.randn(2, 1, 3), torch.randn(2, 4), torch.rand(4, 3), None), "a must be 2-D"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 1, 4), torch.rand(4, 3), None), "g must be 2-D"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), None, None), "a dense scale, a shift or both"),
+        (lambda: (torch.randn(2, 3), torch.randn(3, 4), torch.rand(4, 3), None), "same batch size"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4).half(), torch.rand(4, 3), None), "same dtype"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(3, 4), None), r"scale must be \[d_out"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), None, torch.rand(3, 4)), r"shift must be \[d_out"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), torch.rand(4, 3).double(), None), "must be float32"),
+        (lambda: (torch.randn(2, 3), torch.randn(2, 4), None, torch.rand(3, 4).T), "must be contiguous"),
+        (lambda: (torch.randn(3, 2).T, torch.randn(2, 4), torch.rand(4, 3), None), "a must be contiguous"),
     ],
 )
-def test_t1_scaled_bad_input(make, match):
-    with pytest.raises(RuntimeError, match="linear_sumsq_t1_scaled: .*" + match):
+def test_t1_bad_input(make, match):
+    with pytest.raises(RuntimeError, match="linear_sumsq_t1: .*" + match):
         _t1_op(*make())
 
 
-def test_t1_scaled_opcheck():
-    a, g, sc, _ = _inputs(3, 1, 7, 13, torch.float32, "cpu", True, False)
-    op = torch.ops.dpkernels_C.linear_sumsq_t1_scaled.default
-    for args in ((a[:, 0], g[:, 0], sc), (a[:, 0].bfloat16(), g[:, 0].bfloat16(), sc)):
+def test_t1_opcheck():
+    a, g, sc, sh = _inputs(3, 1, 7, 13, torch.float32, "cpu", True, True)
+    a, g = a[:, 0], g[:, 0]
+    op = torch.ops.dpkernels_C.linear_sumsq_t1.default
+    for args in ((a, g, sc, None), (a, g, sc, sh), (a.bfloat16(), g.bfloat16(), None, sh)):
         results = torch.library.opcheck(
             op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )

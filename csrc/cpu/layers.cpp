@@ -1,7 +1,7 @@
 // CPU kernels of dpkernels_C::linear_sumsq_tiled, dpkernels_C::linear_sumsq_gram,
-// dpkernels_C::linear_sumsq_t1_scaled (T1ScaledKernel: the T = 1 norm under a dense scale as one
-// GEMM for the batch), dpkernels_C::conv2d_sumsq_tiled, dpkernels_C::conv2d_sumsq_grad_sample and
-// dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
+// dpkernels_C::linear_sumsq_t1 (the T = 1 norm under a dense scale as one GEMM for the batch, or
+// with a shift element by element), dpkernels_C::conv2d_sumsq_tiled, dpkernels_C::conv2d_sumsq_grad_sample
+// and dpkernels_C::conv2d_weighted_sum (schemas in csrc/ops.cpp, math and checks in layers.h): per-sample
 // ‖scale ⊙ (g_iᵀ a_i − shift)‖² without materialising g_iᵀ a_i (GramKernel: the same norm without
 // scale or shift as ⟨A_i A_iᵀ, G_i G_iᵀ⟩, neither Gram stored). Both are GEMMs blocked as in BLIS
 // whose output tile never leaves the registers: the epilogue applies shift and scale to the tile,
@@ -504,110 +504,142 @@ struct GramKernel {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Linear, T = 1 with a dense scale: Σ_{o, k} scale[o, k]² g_i[o]² a_i[k]², one GEMM for the batch.
+// Linear, T = 1 (one position per sample, P_i = g_i a_iᵀ): dpkernels_C::linear_sumsq_t1.
 // ---------------------------------------------------------------------------------------------
-
-// A block: kT1BlockO rows o (the length of its tiles' sums) × kT1PanelsK column micro-panels.
-// Its squared scale, [kT1PanelsK][kT1BlockO][kNR] fp32 (128 KiB at kNR = 16), stays in L2 while
-// every sample panel passes through it; one micro-panel (16 KiB) stays in L1 while they do.
+//
+// Both forms run over blocks of kT1BlockO rows o × kT1BlockK columns k of the [d_out, d_in]
+// product; a task packs its block of the scale (and shift) into kNR-column micro-panels, which
+// stay in L2 while every sample passes through them, and each sample's fp64 sum over the block is
+// kept in the task's scratch. Per-(block, sample) partials are summed in block order.
+// - T1SquaresKernel (a dense scale, no shift): Σ_k a_ik² Σ_o g_io² S_ok², one GEMM of g∘g by S∘S
+//   for the batch; S∘S is formed as the block is packed, so neither it nor the [B, d_in] product
+//   reaches memory (ATen's (g∘g)(S∘S) costs an S∘S pass and a GEMM; docs/BENCHMARKS.md,
+//   "Book-keeping"). Every term is non-negative: no cancellation.
+// - T1ShiftKernel (a shift, with or without a dense scale): every element y = S_ok a_ik g_io −
+//   S_ok M_ok formed and squared in registers, one fused multiply-add from the packed S and −S⊙M.
+//   The expansion ‖S⊙P_i‖² − 2⟨S²⊙M, P_i⟩ + ‖S⊙M‖² would cost one GEMM less but subtracts terms
+//   as large as ‖S⊙P_i‖²: with P_i near M its error, relative to those terms, swamps the norm, and
+//   an underestimated norm lets the sample's contribution exceed the clip bound.
 constexpr int64_t kT1BlockO = 256;
-constexpr int64_t kT1PanelsK = 8;
+constexpr int64_t kT1BlockK = 128;
+// A block's rows are 512-byte runs a page apart, too short for the hardware prefetcher to follow:
+// the pack fetches each run kT1PrefetchRows rows ahead into L2 (1.29 -> 0.90 ms for B = 64,
+// d = 1024 on two Zen 4 cores, the scale read from memory).
 constexpr int64_t kT1PrefetchRows = 8;
 constexpr int64_t kCacheLineFloats = 16;
+// Samples per T1ShiftKernel tile: their a columns, the accumulators, S and −S⊙M take 4·R + 4
+// vectors, so 6 where the module has 32 registers, else 2.
+#if defined(__AVX512F__)
+constexpr int kT1ShiftR = 6;
+#else
+constexpr int kT1ShiftR = 2;
+#endif
 
-// Per-thread buffers of T1ScaledKernel: one block's squared scale, and each sample's fp64 sum over
-// the block.
+// Per-thread buffers of the T = 1 kernels: one block's packed panels (up to two matrices), and each
+// sample's fp64 sum over the block.
 struct T1Scratch {
-  std::vector<float> scale_sq;
+  std::vector<float> panels;
   std::vector<cpu::WideSum> sums;
 };
 
-// g_i² and a_i² as fp32, packed once per call: g2 [ceil(B / kMR)][d_out][kMR] (a panel of kMR
-// samples per row o, the tiles' broadcast operand; zero past B), a2 [B][round_up(d_in, kNR)]
-// (zero past d_in).
-template <typename scalar_t>
-void pack_t1_squares(const scalar_t* a, const scalar_t* g, const LinearShape& s, float* a2, float* g2) {
-  const int64_t np = ceil_div(s.B, kMR), d_in_p = round_up(s.d_in, kNR);
-  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> row(s.d_out);
-    for (int64_t p = p0; p < p1; ++p) {
-      float* gp = g2 + p * s.d_out * kMR;
-      for (int64_t r = 0; r < kMR; ++r) {
-        const int64_t i = p * kMR + r;
-        if (i >= s.B) {
-          for (int64_t o = 0; o < s.d_out; ++o) gp[o * kMR + r] = 0.f;
-          continue;
-        }
-        cpu::widen_to_float(g + i * s.d_out, s.d_out, row.data());
-        for (int64_t o = 0; o < s.d_out; ++o) gp[o * kMR + r] = row[o] * row[o];
-        float* ai = a2 + i * d_in_p;
-        cpu::widen_to_float(a + i * s.d_in, s.d_in, ai);
-        for (int64_t k = 0; k < s.d_in; ++k) ai[k] *= ai[k];
-        std::fill(ai + s.d_in, ai + d_in_p, 0.f);
-      }
-    }
-  });
-}
-
-// The T = 1 norm under a dense scale as a GEMM, out[i] = Σ_k a_i[k]² (Σ_o g_i[o]² scale[o, k]²):
-// tiles of kMR samples × kNR columns k summed over a block's rows o in registers, the epilogue
-// dotting each tile row with a_i² and widening it into the sample's fp64 sum. The squared scale is
-// formed as each block is packed, so neither it nor the [B, d_in] product reaches memory (ATen's
-// (g∘g)(S∘S) costs an S∘S pass and a GEMM; docs/BENCHMARKS.md, "Book-keeping"). Every term is
-// non-negative: no cancellation.
-struct T1ScaledKernel {
+// Blocks of the [d_out, d_in] product, row-block major.
+struct T1Blocks {
   LinearShape s;
-  const float* scale;
-  const float* a2;
-  const float* g2;
-  int64_t np = ceil_div(s.B, kMR), d_in_p = round_up(s.d_in, kNR);
-  int64_t nbo = ceil_div(s.d_out, kT1BlockO), nbk = ceil_div(s.d_in, kT1PanelsK* kNR);
+  int64_t nbo = ceil_div(s.d_out, kT1BlockO), nbk = ceil_div(s.d_in, kT1BlockK);
 
   int64_t blocks() const { return nbo * nbk; }
   void block(int64_t blk, int64_t& o0, int64_t& bo, int64_t& k0, int64_t& bk) const {
     o0 = (blk / nbk) * kT1BlockO;
-    k0 = (blk % nbk) * kT1PanelsK * kNR;
+    k0 = (blk % nbk) * kT1BlockK;
     bo = std::min(kT1BlockO, s.d_out - o0);
-    bk = std::min(kT1PanelsK * kNR, s.d_in - k0);
+    bk = std::min(kT1BlockK, s.d_in - k0);
   }
   int64_t cost(int64_t blk) const {
     int64_t o0, bo, k0, bk;
     block(blk, o0, bo, k0, bk);
     return (s.B + 1) * bo * bk;
   }
-  T1Scratch scratch() const {
-    return T1Scratch{std::vector<float>(kT1PanelsK * kT1BlockO * kNR), std::vector<cpu::WideSum>(s.B)};
+  T1Scratch scratch(int matrices) const {
+    return T1Scratch{std::vector<float>(matrices * kT1BlockO * kT1BlockK), std::vector<cpu::WideSum>(s.B)};
   }
+};
 
-  // partial[i] = block blk's part of sample i's norm, for every sample.
-  void block_sums(int64_t blk, T1Scratch& w, double* partial) const {
-    int64_t o0, bo, k0, bk;
-    block(blk, o0, bo, k0, bk);
-    const int64_t nq = ceil_div(bk, kNR);
-    // scale_sq[q][o][lane] = scale[o0 + o][k0 + q kNR + lane]², zero past d_in.
-    for (int64_t o = 0; o < bo; ++o) {
-      const float* src = scale + (o0 + o) * s.d_in + k0;
-      // A block's rows are 512-byte runs a page apart, too short for the hardware prefetcher to
-      // follow: fetch the run kT1PrefetchRows rows ahead into L2 (1.29 -> 0.90 ms for B = 64, d =
-      // 1024 on two Zen 4 cores, the scale read from memory).
+// dst[q][o][lane] = f(src[0], ..., src[N − 1]) at row o0 + o, column k0 + q·kNR + lane of the
+// [·, ld] fp32 matrices src, for the block's bo rows and bk columns (zero past bk).
+template <int N, typename F>
+void pack_t1_block(const std::array<const float*, N>& src, int64_t ld, int64_t o0, int64_t bo, int64_t k0,
+                   int64_t bk, float* dst, const F& f) {
+  const int64_t nq = ceil_div(bk, kNR);
+  for (int64_t o = 0; o < bo; ++o) {
+    std::array<const float*, N> row;
+    for (int j = 0; j < N; ++j) {
+      row[j] = src[j] + (o0 + o) * ld + k0;
       if (o + kT1PrefetchRows < bo) {
         for (int64_t c = 0; c < bk; c += kCacheLineFloats)
-          __builtin_prefetch(src + kT1PrefetchRows * s.d_in + c, 0, 2);
+          __builtin_prefetch(row[j] + kT1PrefetchRows * ld + c, 0, 2);
       }
-      for (int64_t q = 0; q < nq; ++q) {
-        float* dst = w.scale_sq.data() + (q * bo + o) * kNR;
-        for (int v = 0; v < kNV; ++v) {
-          const int64_t col = q * kNR + v * Vec::size();
-          const Vec x = col + Vec::size() <= bk ? Vec::loadu(src + col)
-                                                : Vec::loadu(src + col, std::max<int64_t>(0, bk - col));
-          (x * x).store(dst + v * Vec::size());
+    }
+    for (int64_t q = 0; q < nq; ++q) {
+      for (int v = 0; v < kNV; ++v) {
+        const int64_t col = q * kNR + v * Vec::size(), n = std::clamp<int64_t>(bk - col, 0, Vec::size());
+        std::array<Vec, N> x;
+        for (int j = 0; j < N; ++j)
+          x[j] = n == Vec::size() ? Vec::loadu(row[j] + col) : Vec::loadu(row[j] + col, n);
+        f(x).store(dst + (q * bo + o) * kNR + v * Vec::size());
+      }
+    }
+  }
+}
+
+// The rows of a [B, d] input as fp32, optionally squared: as panels of R samples, dst[p][c][r] =
+// src[p R + r][c] (the tiles' broadcast operand; zero past B), or with R = 0 as rows padded to
+// whole kNR-column panels, dst[i][c] (zero past d).
+template <int R, typename scalar_t>
+void pack_t1_rows(const scalar_t* src, int64_t B, int64_t d, bool square, float* dst) {
+  const int64_t per = std::max(R, 1), d_p = round_up(d, kNR);
+  at::parallel_for(0, ceil_div(B, per), 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> row(d_p);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t r = 0; r < per; ++r) {
+        const int64_t i = p * per + r;
+        if (i < B) {
+          cpu::widen_to_float(src + i * d, d, row.data());
+          if (square) {
+            for (int64_t c = 0; c < d; ++c) row[c] *= row[c];
+          }
+        } else {
+          std::fill(row.begin(), row.begin() + d, 0.f);
+        }
+        if constexpr (R == 0) {
+          std::copy(row.begin(), row.begin() + d, dst + i * d_p);
+          std::fill(dst + i * d_p + d, dst + (i + 1) * d_p, 0.f);
+        } else {
+          for (int64_t c = 0; c < d; ++c) dst[(p * d + c) * R + r] = row[c];
         }
       }
     }
-    for (auto& x : w.sums) x = cpu::WideSum();
-    for (int64_t q = 0; q < nq; ++q) {
-      const float* sq = w.scale_sq.data() + q * bo * kNR;
-      for (int64_t p = 0; p < np; ++p) {
+  });
+}
+
+// out[i] = Σ_k a2[i][k] Σ_o g2[i][o] S_ok²: tiles of kMR samples × kNR columns summed over the
+// block's rows in registers, the epilogue dotting each tile row with a_i∘a_i.
+struct T1SquaresKernel {
+  T1Blocks geo;
+  const float* scale;
+  const float* a2;  // pack_t1_rows<0>, squared
+  const float* g2;  // pack_t1_rows<kMR>, squared
+  static constexpr int kMatrices = 1;
+
+  void block_sums(int64_t blk, T1Scratch& w) const {
+    const LinearShape& s = geo.s;
+    int64_t o0, bo, k0, bk;
+    geo.block(blk, o0, bo, k0, bk);
+    pack_t1_block<1>({scale}, s.d_in, o0, bo, k0, bk, w.panels.data(),
+                     [](const auto& x) { return x[0] * x[0]; });
+    const int64_t d_in_p = round_up(s.d_in, kNR);
+    for (int64_t q = 0; q < ceil_div(bk, kNR); ++q) {
+      const float* sq = w.panels.data() + q * bo * kNR;
+      for (int64_t p = 0; p < ceil_div(s.B, kMR); ++p) {
         Tile acc;
         unpark(acc, nullptr, true);  // zero
         fma_tile(g2 + (p * s.d_out + o0) * kMR, sq, 1, bo, 0, kMR, acc);
@@ -623,9 +655,106 @@ struct T1ScaledKernel {
         }
       }
     }
-    for (int64_t i = 0; i < s.B; ++i) partial[i] = w.sums[i].total();
   }
 };
+
+// out[i] = Σ_{o,k} (S_ok a_ik g_io − S_ok M_ok)² (S = 1 without kScale): tiles of kT1ShiftR
+// samples × kNR columns whose a columns stay in registers while the block's rows pass.
+template <bool kScale>
+struct T1ShiftKernel {
+  T1Blocks geo;
+  const float* scale;  // null without kScale
+  const float* shift;
+  const float* a;  // pack_t1_rows<0>
+  const float* g;  // pack_t1_rows<kT1ShiftR>
+  static constexpr int kMatrices = 2;
+
+  void block_sums(int64_t blk, T1Scratch& w) const {
+    constexpr int R = kT1ShiftR;
+    const LinearShape& s = geo.s;
+    int64_t o0, bo, k0, bk;
+    geo.block(blk, o0, bo, k0, bk);
+    // sp: S (unused without kScale); mp: −S⊙M.
+    float* sp = w.panels.data();
+    float* mp = sp + kT1BlockO * kT1BlockK;
+    if constexpr (kScale) {
+      pack_t1_block<1>({scale}, s.d_in, o0, bo, k0, bk, sp, [](const auto& x) { return x[0]; });
+      pack_t1_block<2>({scale, shift}, s.d_in, o0, bo, k0, bk, mp,
+                       [](const auto& x) { return Vec(0.f) - x[0] * x[1]; });
+    } else {
+      pack_t1_block<1>({shift}, s.d_in, o0, bo, k0, bk, mp, [](const auto& x) { return Vec(0.f) - x[0]; });
+    }
+    const int64_t d_in_p = round_up(s.d_in, kNR);
+    for (int64_t q = 0; q < ceil_div(bk, kNR); ++q) {
+      for (int64_t p = 0; p < ceil_div(s.B, R); ++p) {
+        const int64_t rows = std::min<int64_t>(R, s.B - p * R);
+        Vec av[R][kNV], acc[R][kNV];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const float* ai = a + std::min<int64_t>(p * R + r, s.B - 1) * d_in_p + k0 + q * kNR;
+#pragma GCC unroll 4
+          for (int v = 0; v < kNV; ++v) {
+            av[r][v] = Vec::loadu(ai + v * Vec::size());
+            acc[r][v] = Vec(0.f);
+          }
+        }
+        const float* gp = g + (p * s.d_out + o0) * R;
+        const float* sq = sp + q * bo * kNR;
+        const float* mq = mp + q * bo * kNR;
+        for (int64_t o = 0; o < bo; ++o, gp += R, sq += kNR, mq += kNR) {
+          Vec sv[kNV], mv[kNV];
+#pragma GCC unroll 4
+          for (int v = 0; v < kNV; ++v) {
+            if constexpr (kScale) sv[v] = Vec::loadu(sq + v * Vec::size());
+            mv[v] = Vec::loadu(mq + v * Vec::size());
+          }
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const Vec gb(gp[r]);
+#pragma GCC unroll 4
+            for (int v = 0; v < kNV; ++v) {
+              Vec u = av[r][v];
+              if constexpr (kScale) u = sv[v] * u;
+              const Vec y = cpu::fmadd(u, gb, mv[v]);
+              acc[r][v] = cpu::fmadd(y, y, acc[r][v]);
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) break;
+          Vec t = acc[r][0];
+#pragma GCC unroll 4
+          for (int v = 1; v < kNV; ++v) t = t + acc[r][v];
+          w.sums[p * R + r].add(t);
+        }
+      }
+    }
+  }
+};
+
+// out[i] = Σ over the kernel's blocks of sample i's partials, in block order.
+template <typename Kernel>
+void t1_sums(const Kernel& kernel, float* out) {
+  const int64_t B = kernel.geo.s.B, blocks = kernel.geo.blocks();
+  std::vector<int64_t> cost(blocks);
+  for (int64_t blk = 0; blk < blocks; ++blk) cost[blk] = kernel.geo.cost(blk);
+  // NaN until written: a block a task missed would poison the norms, never read as 0.
+  std::vector<double> partial(blocks * B, std::numeric_limits<double>::quiet_NaN());
+  cpu::parallel_over_tasks(cost, [&](int64_t b0, int64_t b1) {
+    auto w = kernel.geo.scratch(Kernel::kMatrices);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      for (auto& x : w.sums) x = cpu::WideSum();
+      kernel.block_sums(blk, w);
+      for (int64_t i = 0; i < B; ++i) partial[blk * B + i] = w.sums[i].total();
+    }
+  });
+  for (int64_t i = 0; i < B; ++i) {
+    double total = 0.0;
+    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[blk * B + i];
+    out[i] = static_cast<float>(total);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Conv2d: the direct kernel (no patches).
@@ -915,34 +1044,41 @@ at::Tensor linear_sumsq_gram_cpu(const at::Tensor& a, const at::Tensor& g) {
   return out;
 }
 
-at::Tensor linear_sumsq_t1_scaled_cpu(const at::Tensor& a, const at::Tensor& g, const at::Tensor& scale) {
-  constexpr const char* op = "linear_sumsq_t1_scaled";
+at::Tensor linear_sumsq_t1_cpu(const at::Tensor& a, const at::Tensor& g,
+                               const std::optional<at::Tensor>& scale,
+                               const std::optional<at::Tensor>& shift) {
+  constexpr const char* op = "linear_sumsq_t1";
   DPK_CHECK(a.dim() == 2, op, ": a must be 2-D [B, d_in], got ", a.dim(), "-D ", a.sizes());
   DPK_CHECK(g.dim() == 2, op, ": g must be 2-D [B, d_out], got ", g.dim(), "-D ", g.sizes());
-  const LinearShape s = check_linear_sumsq_inputs(op, a.unsqueeze(1), g.unsqueeze(1), scale, std::nullopt,
-                                                  c10::DeviceType::CPU);
+  DPK_CHECK(scale.has_value() || shift.has_value(), op,
+            ": takes a dense scale, a shift or both (without either the norm is ‖a_i‖²‖g_i‖²)");
+  const LinearShape s =
+      check_linear_sumsq_inputs(op, a.unsqueeze(1), g.unsqueeze(1), scale, shift, c10::DeviceType::CPU);
   auto out = new_output({s.B}, a.options().dtype(at::kFloat));
   if (s.B == 0) return out;
   if (s.d_in == 0 || s.d_out == 0) return out.zero_();
-  std::vector<float> a2(s.B * round_up(s.d_in, kNR)), g2(ceil_div(s.B, kMR) * kMR * s.d_out);
+  const T1Blocks geo{s};
+  const float* sc = scale ? scale->const_data_ptr<float>() : nullptr;
+  std::vector<float> a_rows(s.B * round_up(s.d_in, kNR));
+  if (!shift) {
+    std::vector<float> g_panels(round_up(s.B, kMR) * s.d_out);
+    DPK_DISPATCH_GRAD_TYPES(a.scalar_type(), op, [&] {
+      pack_t1_rows<0>(a.const_data_ptr<scalar_t>(), s.B, s.d_in, true, a_rows.data());
+      pack_t1_rows<kMR>(g.const_data_ptr<scalar_t>(), s.B, s.d_out, true, g_panels.data());
+    });
+    t1_sums(T1SquaresKernel{geo, sc, a_rows.data(), g_panels.data()}, out.data_ptr<float>());
+    return out;
+  }
+  std::vector<float> g_panels(round_up(s.B, kT1ShiftR) * s.d_out);
   DPK_DISPATCH_GRAD_TYPES(a.scalar_type(), op, [&] {
-    pack_t1_squares(a.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), s, a2.data(), g2.data());
+    pack_t1_rows<0>(a.const_data_ptr<scalar_t>(), s.B, s.d_in, false, a_rows.data());
+    pack_t1_rows<kT1ShiftR>(g.const_data_ptr<scalar_t>(), s.B, s.d_out, false, g_panels.data());
   });
-  const T1ScaledKernel kernel{s, scale.const_data_ptr<float>(), a2.data(), g2.data()};
-  const int64_t blocks = kernel.blocks();
-  std::vector<int64_t> cost(blocks);
-  for (int64_t blk = 0; blk < blocks; ++blk) cost[blk] = kernel.cost(blk);
-  // NaN until written: a block a task missed would poison the norms, never read as 0.
-  std::vector<double> partial(blocks * s.B, std::numeric_limits<double>::quiet_NaN());
-  cpu::parallel_over_tasks(cost, [&](int64_t b0, int64_t b1) {
-    auto w = kernel.scratch();
-    for (int64_t blk = b0; blk < b1; ++blk) kernel.block_sums(blk, w, partial.data() + blk * s.B);
-  });
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < s.B; ++i) {
-    double total = 0.0;
-    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[blk * s.B + i];
-    o[i] = static_cast<float>(total);
+  const float* sh = shift->const_data_ptr<float>();
+  if (scale) {
+    t1_sums(T1ShiftKernel<true>{geo, sc, sh, a_rows.data(), g_panels.data()}, out.data_ptr<float>());
+  } else {
+    t1_sums(T1ShiftKernel<false>{geo, nullptr, sh, a_rows.data(), g_panels.data()}, out.data_ptr<float>());
   }
   return out;
 }

@@ -73,8 +73,8 @@ using ClipPipelineOut = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tens
     (const at::Tensor& x, const at::Tensor& g, const at::Tensor& weights, at::IntArrayRef kernel_size,       \
      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation))                             \
   X(linear_sumsq_gram, linear_sumsq_gram, at::Tensor, (const at::Tensor& a, const at::Tensor& g))           \
-  X(linear_sumsq_t1_scaled, linear_sumsq_t1_scaled, at::Tensor,                                              \
-    (const at::Tensor& a, const at::Tensor& g, const at::Tensor& scale))                                     \
+  X(linear_sumsq_t1, linear_sumsq_t1, at::Tensor,                                                            \
+    (const at::Tensor& a, const at::Tensor& g, const OptionalTensor& scale, const OptionalTensor& shift))     \
   X(conv2d_sumsq_grad_sample, conv2d_sumsq_grad_sample, TensorPair,                                          \
     (const at::Tensor& x, const at::Tensor& g, at::IntArrayRef kernel_size, at::IntArrayRef stride,          \
      at::IntArrayRef padding, at::IntArrayRef dilation, const OptionalTensor& scale,                         \
