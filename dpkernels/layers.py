@@ -17,8 +17,9 @@ scale ``S`` (dense, or rank one ``s_out s_inᵀ``) and shift ``M``, by one of th
 
 A shift adds ``−2⟨S²⊙M, g_i⟩ + ‖S⊙M‖²`` to the first two, the middle term ``Σ_t G_itᵀ(S²⊙M)A_it``
 being one GEMM of the forward's size (on ``cpu``, ``"t1"`` with a shift forms and squares every
-element of ``S ⊙ (g aᵀ − M)`` instead, in the same native op: no expansion to cancel). ``"auto"`` picks among them from the shapes and the scale
-(crossover measured in docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
+element of ``S ⊙ (g aᵀ − M)`` instead, in the same native op: no expansion to cancel).
+``"auto"`` picks among them from the shapes and the scale (crossover measured in
+docs/BENCHMARKS.md, "Book-keeping"). The clipped sum
 :func:`linear_weighted_sum` is ``(w ⊙ G)ᵀ A``, one GEMM over all ``B·T`` rows. Conv2d is the linear
 case over im2col patches (:func:`conv2d_sumsq`; its clipped sum :func:`conv2d_weighted_sum` is, on
 ``cpu``, the tiled product's direct kernel with ``w`` folded into ``G`` and the samples summed too,
