@@ -583,7 +583,7 @@ def _linear_scale(scale, shift, d_out: int, d_in: int, device):
     return s_out, s_in, dense, shift
 
 
-def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool, backend: str) -> str:
+def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool, backend: str, shift: bool = False) -> str:
     if method not in LINEAR_METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {LINEAR_METHODS}")
     if method == "t1" and T != 1:
@@ -592,6 +592,11 @@ def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool, backen
         raise ValueError("method 'gram' takes no dense scale (only None or a rank-one pair); use 'tiled' or 't1'")
     if method != "auto":
         return method
+    if shift:
+        # A form that squares every element: the shift's expansion subtracts terms as large as
+        # ‖S⊙g_i‖², and a norm it underestimates lets the sample exceed the clip bound
+        # (docs/ALGORITHMS.md, "Numerics"). On the CPU it is also the faster form ("Book-keeping").
+        return "t1" if T == 1 and backend == "cpu" else "tiled"
     if T == 1:
         return "t1"
     if not dense and T * (d_in + d_out) <= GRAM_CROSSOVER.get(backend, GRAM_CROSSOVER_DEFAULT) * d_in * d_out:
@@ -611,7 +616,7 @@ def _pick_method(method: str, T: int, d_out: int, d_in: int, dense: bool, backen
 
 def _linear_sumsq(a, g, s_out, s_in, dense, shift, method, backend):
     B, T, d_in = a.shape
-    method = _pick_method(method, T, g.shape[-1], d_in, dense is not None, backend)
+    method = _pick_method(method, T, g.shape[-1], d_in, dense is not None, backend, shift is not None)
     if B == 0:
         return torch.zeros(0, dtype=torch.float64, device=a.device)
     return LAYERS.kernels(backend).linear_sumsq(a, g, s_out, s_in, dense, shift, method)
@@ -632,7 +637,7 @@ def _embedding_weighted_sum(ids, g, weights, num_embeddings, padding_idx, out, b
 
 def _conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method, backend):
     T, d_out, d_in = g.shape[2] * g.shape[3], weight_shape[0] // geom.groups, math.prod(weight_shape[1:])
-    method = _pick_conv_method(method, T, d_out, d_in, scale is not None)
+    method = _pick_conv_method(method, T, d_out, d_in, scale is not None, shift is not None)
     if x.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=x.device)
     return LAYERS.kernels(backend).conv2d_sumsq(x, g, weight_shape, geom, scale, shift, method)
@@ -875,7 +880,7 @@ def _check_weight_like(name: str, t, weight_shape, device):
 CONV_METHODS = ("auto", "gram", "tiled")
 
 
-def _pick_conv_method(method: str, T: int, d_out: int, d_in: int, scaled: bool) -> str:
+def _pick_conv_method(method: str, T: int, d_out: int, d_in: int, scaled: bool, shift: bool = False) -> str:
     if method not in CONV_METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {CONV_METHODS}")
     if method == "gram" and scaled:
@@ -883,7 +888,7 @@ def _pick_conv_method(method: str, T: int, d_out: int, d_in: int, scaled: bool) 
     if method != "auto":
         return method
     cheap = T * (d_in + d_out) <= CONV_GRAM_CROSSOVER * d_in * d_out
-    return "gram" if cheap and not scaled else "tiled"
+    return "gram" if cheap and not scaled and not shift else "tiled"  # a shift: as _pick_method
 
 
 def conv2d_sumsq(x: Tensor, g: Tensor, weight_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,

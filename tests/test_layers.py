@@ -314,6 +314,10 @@ def test_auto_method_choice():
     # the crossover per backend: the CPU's native Gram pass takes the Gram form further
     assert L._pick_method("auto", 128, 256, 256, False, "cpu") == "gram"
     assert L._pick_method("auto", 128, 256, 256, False, "cuda") == "tiled"
+    # A shift: a form without the expansion's cancellation.
+    assert L._pick_method("auto", 1, 64, 64, True, "cpu", True) == "t1"
+    assert L._pick_method("auto", 1, 64, 64, True, "cuda", True) == "tiled"
+    assert L._pick_method("auto", 4, 256, 256, False, "cpu", True) == "tiled"
     # conv (d_in = C_in·kh·kw): Gram at 2x2 with 256 channels, tiled from 4x4 and at 16x16 with 32
     # (CONV_GRAM_CROSSOVER, measured by tools/bk_crossover.py --conv)
     assert L._pick_conv_method("auto", 4, 256, 2304, False) == "gram"
@@ -321,3 +325,4 @@ def test_auto_method_choice():
     assert L._pick_conv_method("auto", 16, 256, 2304, True) == "tiled"
     assert L._pick_conv_method("auto", 256, 32, 288, False) == "tiled"
     assert L._pick_conv_method("tiled", 16, 256, 2304, False) == "tiled"
+    assert L._pick_conv_method("auto", 4, 256, 2304, False, True) == "tiled"
