@@ -84,6 +84,27 @@ constexpr int64_t kChunkT = 256;
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// A [rows, cols] range cut into blocks of BR × BC, row-block major: block blk covers rows [r0, r0 +
+// nr) and columns [c0, c0 + nc).
+template <int64_t BR, int64_t BC>
+struct BlockGrid {
+  int64_t rows, cols;
+  int64_t nbr = ceil_div(rows, BR), nbc = ceil_div(cols, BC);
+
+  int64_t count() const { return nbr * nbc; }
+  void at(int64_t blk, int64_t& r0, int64_t& nr, int64_t& c0, int64_t& nc) const {
+    r0 = (blk / nbc) * BR;
+    c0 = (blk % nbc) * BC;
+    nr = std::min(BR, rows - r0);
+    nc = std::min(BC, cols - c0);
+  }
+  int64_t area(int64_t blk) const {
+    int64_t r0, nr, c0, nc;
+    at(blk, r0, nr, c0, nc);
+    return nr * nc;
+  }
+};
+
 // Packs rows [0, rows) × columns [0, n) of src (row stride ld) as fp32 micro-panels of width W:
 // dst[p][t][0, W) = src[t][p W, p W + W), zero past column n. tmp: panels * W floats.
 template <int W, typename scalar_t>
@@ -287,9 +308,9 @@ struct LinearKernel {
   const scalar_t* g;
   LinearShape s;
   Epilogue ep;
-  int64_t nbo = ceil_div(s.d_out, kBlockO), nbk = ceil_div(s.d_in, kBlockK);
+  BlockGrid<kBlockO, kBlockK> grid{s.d_out, s.d_in};
 
-  int64_t blocks() const { return nbo * nbk; }
+  int64_t blocks() const { return grid.count(); }
   // Sample-major finds a_i and g_i in cache for every block after the first but rereads all of
   // shift/scale for every sample; block-major reads a block's shift/scale once per group but every
   // sample's columns of a and g once per block. The order that rereads fewer bytes from far memory,
@@ -299,27 +320,17 @@ struct LinearKernel {
   bool block_major(int64_t element_size) const {
     const int64_t rereads_ss =
         ((ep.shift != nullptr) + (ep.scale != nullptr)) * int64_t{4} * s.d_out * s.d_in;
-    const int64_t rereads_ag = s.T * (s.d_in * nbo + s.d_out * nbk) * element_size;
+    const int64_t rereads_ag = s.T * (s.d_in * grid.nbr + s.d_out * grid.nbc) * element_size;
     return rereads_ss > 2 * rereads_ag;
   }
-  void block(int64_t blk, int64_t& o0, int64_t& bo, int64_t& k0, int64_t& bk) const {
-    o0 = (blk / nbk) * kBlockO;
-    k0 = (blk % nbk) * kBlockK;
-    bo = std::min(kBlockO, s.d_out - o0);
-    bk = std::min(kBlockK, s.d_in - k0);
-  }
-  int64_t cost(int64_t blk) const {
-    int64_t o0, bo, k0, bk;
-    block(blk, o0, bo, k0, bk);
-    return (std::max<int64_t>(s.T, 1) + 1) * bo * bk;
-  }
+  int64_t cost(int64_t blk) const { return (std::max<int64_t>(s.T, 1) + 1) * grid.area(blk); }
   PanelScratch scratch() const { return PanelScratch(std::clamp<int64_t>(s.T, 1, kChunkT)); }
 
   // Σ over block blk of (scale (P_i − shift))² for sample i.
   template <bool kShift, bool kScale>
   double block_sumsq(int64_t i, int64_t blk, PanelScratch& w) const {
     int64_t o0, bo, k0, bk;
-    block(blk, o0, bo, k0, bk);
+    grid.at(blk, o0, bo, k0, bk);
     const int64_t np = ceil_div(bo, kMR), nq = ceil_div(bk, kNR);
     const int64_t chunks = std::max<int64_t>(1, ceil_div(s.T, kChunkT));
     cpu::WideSum wide;
@@ -545,20 +556,9 @@ struct T1Scratch {
 // Blocks of the [d_out, d_in] product, row-block major.
 struct T1Blocks {
   LinearShape s;
-  int64_t nbo = ceil_div(s.d_out, kT1BlockO), nbk = ceil_div(s.d_in, kT1BlockK);
+  BlockGrid<kT1BlockO, kT1BlockK> grid{s.d_out, s.d_in};
 
-  int64_t blocks() const { return nbo * nbk; }
-  void block(int64_t blk, int64_t& o0, int64_t& bo, int64_t& k0, int64_t& bk) const {
-    o0 = (blk / nbk) * kT1BlockO;
-    k0 = (blk % nbk) * kT1BlockK;
-    bo = std::min(kT1BlockO, s.d_out - o0);
-    bk = std::min(kT1BlockK, s.d_in - k0);
-  }
-  int64_t cost(int64_t blk) const {
-    int64_t o0, bo, k0, bk;
-    block(blk, o0, bo, k0, bk);
-    return (s.B + 1) * bo * bk;
-  }
+  int64_t cost(int64_t blk) const { return (s.B + 1) * grid.area(blk); }
   T1Scratch scratch(int matrices) const {
     return T1Scratch{std::vector<float>(matrices * kT1BlockO * kT1BlockK), std::vector<cpu::WideSum>(s.B)};
   }
@@ -633,7 +633,7 @@ struct T1SquaresKernel {
   void block_sums(int64_t blk, T1Scratch& w) const {
     const LinearShape& s = geo.s;
     int64_t o0, bo, k0, bk;
-    geo.block(blk, o0, bo, k0, bk);
+    geo.grid.at(blk, o0, bo, k0, bk);
     pack_t1_block<1>({scale}, s.d_in, o0, bo, k0, bk, w.panels.data(),
                      [](const auto& x) { return x[0] * x[0]; });
     const int64_t d_in_p = round_up(s.d_in, kNR);
@@ -673,7 +673,7 @@ struct T1ShiftKernel {
     constexpr int R = kT1ShiftR;
     const LinearShape& s = geo.s;
     int64_t o0, bo, k0, bk;
-    geo.block(blk, o0, bo, k0, bk);
+    geo.grid.at(blk, o0, bo, k0, bk);
     // sp: S (unused without kScale); mp: −S⊙M.
     float* sp = w.panels.data();
     float* mp = sp + kT1BlockO * kT1BlockK;
@@ -736,7 +736,7 @@ struct T1ShiftKernel {
 // out[i] = Σ over the kernel's blocks of sample i's partials, in block order.
 template <typename Kernel>
 void t1_sums(const Kernel& kernel, float* out) {
-  const int64_t B = kernel.geo.s.B, blocks = kernel.geo.blocks();
+  const int64_t B = kernel.geo.s.B, blocks = kernel.geo.grid.count();
   std::vector<int64_t> cost(blocks);
   for (int64_t blk = 0; blk < blocks; ++blk) cost[blk] = kernel.geo.cost(blk);
   // NaN until written: a block a task missed would poison the norms, never read as 0.
@@ -803,20 +803,16 @@ struct DirectConvKernel {
   int64_t nseg = whole_rows ? c.kh : c.kh * c.kw, seg_len = whole_rows ? c.kw * c.C : c.C;
   int64_t seg_tiles = ceil_div(seg_len, kConvMR), tiles = nseg * seg_tiles;
   int64_t np = ceil_div(c.O, kNR), O_p = np * kNR;
-  int64_t nbo = ceil_div(np, kConvPanelsO), nbk = ceil_div(tiles, kConvPanelsK);
+  BlockGrid<kConvPanelsO, kConvPanelsK> grid{np, tiles};
   int64_t Wp = c.W + 2 * c.pad_w;
   // Output rows per chunk (at least one whole row), and the input rows they read.
   int64_t rows_per_chunk = std::clamp<int64_t>(kChunkT / c.W_out, 1, c.H_out);
   int64_t span = (rows_per_chunk - 1) * c.stride_h + (c.kh - 1) * c.dilation_h + 1;
 
-  int64_t blocks() const { return nbo * nbk; }
+  int64_t blocks() const { return grid.count(); }
   // Elements of a weighted sum in the permuted layout [(r, s, c)][O_p].
   int64_t sum_size() const { return nseg * seg_len * O_p; }
-  int64_t cost(int64_t blk) const {
-    const int64_t po = std::min(kConvPanelsO, np - (blk / nbk) * kConvPanelsO);
-    const int64_t pk = std::min(kConvPanelsK, tiles - (blk % nbk) * kConvPanelsK);
-    return (c.H_out * c.W_out + 1) * po * pk;
-  }
+  int64_t cost(int64_t blk) const { return (c.H_out * c.W_out + 1) * grid.area(blk); }
   // Buffers for runs of `blocks` blocks at once.
   ConvScratch scratch(int64_t blocks = 1) const {
     // xs plus kConvMR floats of slack: the last tile of a segment reads up to kConvMR - 1 floats
@@ -883,8 +879,8 @@ struct DirectConvKernel {
           ws.x_key = {i, oh0};
         }
         for (int64_t blk = b0; blk < b1; ++blk) {
-          const int64_t p0 = (blk / nbk) * kConvPanelsO, npb = std::min(kConvPanelsO, np - p0);
-          const int64_t u0 = (blk % nbk) * kConvPanelsK, nub = std::min(kConvPanelsK, tiles - u0);
+          int64_t p0, npb, u0, nub;
+          grid.at(blk, p0, npb, u0, nub);
           if (ws.g_key != std::array<int64_t, 3>{i, oh0, p0}) {
             pack_g(i, t0, tc, p0, npb, w ? w[i] : 1.f, ws.g.data());
             ws.g_key = {i, oh0, p0};
