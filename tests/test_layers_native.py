@@ -220,7 +220,7 @@ def test_gram_opcheck():
 
 
 # linear_sumsq_t1 (CPU only: CUDA's T = 1 norms are cuBLAS GEMMs). (B, d_in, d_out): single elements;
-# B not a multiple of either tile's samples (6, or 2 and 6 with a shift); d_in past one 128-column
+# B not a multiple of either tile's samples (6, or 2 and 4 with a shift); d_in past one 128-column
 # block and not a multiple of a 16- or 8-column panel; d_out past one 256-row block; B past the
 # 6-sample tile with d_out < 256.
 T1_SHAPES = [(1, 1, 1), (3, 7, 13), (7, 300, 260), (13, 17, 600), (6, 129, 257), (64, 40, 10)]

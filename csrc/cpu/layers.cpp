@@ -539,9 +539,10 @@ constexpr int64_t kT1BlockK = 128;
 constexpr int64_t kT1PrefetchRows = 8;
 constexpr int64_t kCacheLineFloats = 16;
 // Samples per T1ShiftKernel tile: their a columns, the accumulators, S and −S⊙M take 4·R + 4
-// vectors, so 6 where the module has 32 registers, else 2.
+// vectors, so 4 where the module has 32 registers (2 samples took 1.15-1.25x the time, 6 no less
+// than 4: B = 32 and 64, d = 1024, Zen 4), else 2.
 #if defined(__AVX512F__)
-constexpr int kT1ShiftR = 6;
+constexpr int kT1ShiftR = 4;
 #else
 constexpr int kT1ShiftR = 2;
 #endif
