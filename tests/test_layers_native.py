@@ -260,6 +260,21 @@ def test_t1_shift_does_not_cancel():
     torch.testing.assert_close(_t1_op(a, g, sc, sh).double(), want, rtol=1e-5, atol=0)
 
 
+def test_t1_nonfinite_sample_stays_its_own():
+    """A non-finite input row makes that sample's norm non-finite (the engine then raises or drops
+    it) and leaves every other sample's bits unchanged: tiles share the scale, never samples' rows."""
+    for scale, shift in T1_FORMS:
+        a, g, sc, sh = _inputs(9, 1, 70, 300, torch.float32, "cpu", scale, shift, seed=9)
+        a, g = a[:, 0].clone(), g[:, 0].clone()
+        clean = _t1_op(a, g, sc, sh)
+        a[4, 3], g[7, 11] = float("inf"), float("nan")
+        out = _t1_op(a, g, sc, sh)
+        bad = torch.zeros(9, dtype=torch.bool)
+        bad[[4, 7]] = True
+        assert not out[bad].isfinite().any()
+        assert torch.equal(out[~bad], clean[~bad])
+
+
 def test_t1_deterministic_and_zero_sized():
     """Per-(block, sample) partials summed in block order: the same bits on any thread count."""
     for scale, shift in T1_FORMS:
