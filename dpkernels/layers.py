@@ -693,7 +693,9 @@ def linear_sumsq(a: Tensor, g: Tensor, *, scale=None, shift: Tensor | None = Non
         scale: ``None``, a dense ``[d_out, d_in]`` tensor, or a pair ``(s_out [d_out], s_in [d_in])``
             for the rank-one ``S = s_out s_inᵀ``.
         shift: ``None`` or ``M``, ``[d_out, d_in]``.
-        method: ``"auto"``, ``"t1"``, ``"gram"`` or ``"tiled"`` (module docstring).
+        method: ``"auto"``, ``"t1"``, ``"gram"`` or ``"tiled"`` (module docstring). With a shift
+            ``"auto"`` picks a form that squares every element (``cpu``'s ``"t1"`` at ``T = 1``,
+            else ``"tiled"``), never the shift's expansion, whose terms cancel.
         backend: ``"auto"``, ``"reference"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
 
     Returns: float64 ``[B]``. Products are formed in float32 (float64 for float64 input) and the
