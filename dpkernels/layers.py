@@ -158,6 +158,17 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _f32(t: Tensor | None) -> Tensor | None:
+    """A native kernel's scale/shift operand: contiguous float32 (None stays None)."""
+    return None if t is None else t.float().contiguous()
+
+
+def _dense_scale(s_out: Tensor, s_in: Tensor) -> Tensor:
+    """The rank-one scale ``s_out s_inᵀ`` as a dense float32 ``[d_out, d_in]``, for the kernels that
+    read a dense one."""
+    return s_out.float()[:, None] * s_in.float()[None, :]
+
+
 def _rowdot(x: Tensor, y: Tensor) -> Tensor:
     """``Σ_k x_k y_k`` over the last dimension: products in the inputs' dtype (fp32 products of
     fp32 GEMM outputs), accumulated in float64 (no float64 copies of the operands)."""
@@ -175,11 +186,10 @@ class _AtenLayers:
     def linear_sumsq(cls, a, g, s_out, s_in, scale, shift, method):
         if method == "tiled":
             if s_out is not None:
-                scale = s_out.float()[:, None] * s_in.float()[None, :]
+                scale = _dense_scale(s_out, s_in)
             if a.dtype == torch.float64:
                 return ref.linear_sumsq(a, g, scale, shift)
-            f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-            return cls.tiled(a, g, f32(scale), f32(shift)).double()
+            return cls.tiled(a, g, _f32(scale), _f32(shift)).double()
         if method == "t1" and scale is None and shift is None and a.dtype != torch.float64:
             # ‖a‖²‖g‖² (times the rank-one scale's rows): both row norms in one multi-tensor pass
             sq = cls.rows_sumsq([a[:, 0], g[:, 0]], None if s_out is None else [s_in.float(), s_out.float()])
@@ -381,7 +391,7 @@ def _sum_over_groups(x, g, geom, scale, shift, norms) -> Tensor:
     ``x`` and ``g``, and the group's rows of ``scale``/``shift`` as contiguous fp32 matrices (or None)."""
     total = None
     for j, (xj, gj) in enumerate(_group_views(x, g, geom.groups)):
-        sc, sh = (None if t is None else _group_rows(t, geom.groups, j).float().contiguous() for t in (scale, shift))
+        sc, sh = (_f32(_group_rows(t, geom.groups, j)) for t in (scale, shift))
         part = norms(xj, gj, sc, sh).double()
         total = part if total is None else total + part
     return total
@@ -439,9 +449,8 @@ class _CpuLayers(_AtenLayers):
         if a.dtype == torch.float64 or (scale is None and shift is None):
             return _AtenLayers.t1_sumsq(a, g, s_out, s_in, scale, shift)
         if s_out is not None:  # rank one, with a shift (without one the rows' norms serve)
-            scale = s_out.float()[:, None] * s_in.float()[None, :]
-        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-        return torch.ops.dpkernels_C.linear_sumsq_t1(a, g, f32(scale), f32(shift)).double()
+            scale = _dense_scale(s_out, s_in)
+        return torch.ops.dpkernels_C.linear_sumsq_t1(a, g, _f32(scale), _f32(shift)).double()
 
     @staticmethod
     def conv2d_weighted_sum(x, g, weights, weight_shape, geom):

@@ -239,6 +239,16 @@ struct Epilogue {
   const float* scale;
 };
 
+// out[i] = Σ_blk partial[i · blocks + blk], added in block order (so the same on any thread count),
+// rounded once to fp32.
+inline void totals_in_block_order(const std::vector<double>& partial, int64_t B, int64_t blocks, float* out) {
+  for (int64_t i = 0; i < B; ++i) {
+    double total = 0.0;
+    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[i * blocks + blk];
+    out[i] = static_cast<float>(total);
+  }
+}
+
 // out[i] = Σ over sample i's blocks of kernel.block_sumsq<kShift, kScale>(i, block, scratch), in
 // block order. Tasks: one block of one sample (sample-major: a sample's blocks in a row, so its
 // operands stay in cache), or with `block_major` one block for a group of samples; spread over the
@@ -276,11 +286,7 @@ void sum_blocks(const Kernel& kernel, int64_t B, int64_t blocks, bool block_majo
       }
     });
   });
-  for (int64_t i = 0; i < B; ++i) {
-    double total = 0.0;
-    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[i * blocks + blk];
-    out[i] = static_cast<float>(total);
-  }
+  totals_in_block_order(partial, B, blocks, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -747,14 +753,10 @@ void t1_sums(const Kernel& kernel, float* out) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       for (auto& x : w.sums) x = cpu::WideSum();
       kernel.block_sums(blk, w);
-      for (int64_t i = 0; i < B; ++i) partial[blk * B + i] = w.sums[i].total();
+      for (int64_t i = 0; i < B; ++i) partial[i * blocks + blk] = w.sums[i].total();
     }
   });
-  for (int64_t i = 0; i < B; ++i) {
-    double total = 0.0;
-    for (int64_t blk = 0; blk < blocks; ++blk) total += partial[blk * B + i];
-    out[i] = static_cast<float>(total);
-  }
+  totals_in_block_order(partial, B, blocks, out);
 }
 
 // ---------------------------------------------------------------------------------------------
