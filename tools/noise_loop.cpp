@@ -3,7 +3,7 @@
 // calls of the fused passes, which then write the same normals), ns per pair of ChaCha20 words
 // (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
 // best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
-// On the AVX2 and AVX-512 paths also the largest errors of the float64 transform's log_unit and
+// On the AVX2 and AVX-512 paths also the largest errors of the float64 transform's neg2_log_unit and
 // cossin_2pi against long double (64-bit mantissa) on 2^24 random uniforms and on the edges.
 // Built and run by tools/noise_loop.py. The Philox hash is the same on every path (all hash the
 // same 4,499,968 normals); the ChaCha20 one agrees between avx512 and avx2 only, as the portable
@@ -52,7 +52,7 @@ void print_transform_errors() {
   const auto check = [&](const double (&u)[cpu::kDoubleLanes]) {
     cpu::VD x, c, s;
     std::memcpy(&x, u, sizeof(x));
-    const cpu::VD l = cpu::log_unit(x);
+    const cpu::VD l = -0.5 * cpu::neg2_log_unit(x);  // exact scaling: ln u
     cpu::cossin_2pi(x, c, s);
     for (int k = 0; k < cpu::kDoubleLanes; ++k, ++points) {
       const long double lu = logl(u[k]), theta = 6.283185307179586476925286766559L * u[k];

@@ -704,24 +704,36 @@ inline VD horner(VD z, const double (&c)[N]) {
   return p;
 }
 
-// ln u for u in [2^-54, 1] (every uniform53 value: normal, positive, no special cases). u = m 2^k
-// with m in [sqrt(1/2), sqrt(2)) from the bits (exact), f = m - 1, s = f / (2 + f), and
+// -2 ln u for u in [2^-54, 1] (every uniform53 value: normal, positive, no special cases), as
+// -2 times the form below. u = m 2^k with m in [sqrt(1/2), sqrt(2)) from the bits alone: adding 1's
+// bits minus sqrt(1/2)'s carries into the exponent field exactly when the mantissa is at least
+// sqrt(2)'s, so no compare and select. f = m - 1 (exact), s = f / (m + 1), and
 // ln(1 + f) = 2 atanh(s) = f - (f^2/2 - s (f^2/2 + R)), R = 2 s^2/3 + 2 s^4/5 + ... = z P(z) for
 // z = s^2 <= (3 - 2 sqrt(2))^2; k ln2 in two parts, the first exact. P is a Chebyshev fit
-// (mpmath.chebyfit, degree 6: 3e-16 from the series, which moves ln u by < 2e-18).
-inline VD log_unit(VD u) {
-  const VU64 bits = __builtin_bit_cast(VU64, u);
-  VD m = __builtin_bit_cast(VD, (bits & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull);  // [1, 2)
-  VD k = __builtin_bit_cast(VD, (bits >> 52) | 0x4330000000000000ull) - (0x1p52 + 1023.0);
-  const auto big = m > 1.4142135623730951;
-  m = big ? m * 0.5 : m;
-  k = big ? k + 1.0 : k;
-  const VD f = m - 1.0, s = f / (2.0 + f), z = s * s, hfsq = 0.5 * f * f;
-  static constexpr double kP[] = {0.666666666666667,  0.39999999999899505, 0.28571428625975487,
-                                  0.2222221113479508, 0.18182889125261723, 0.15331721600556042,
-                                  0.14616449685043406};
-  const VD r = z * horner(z, kP);
-  return k * 0.6931467056274414 - ((hfsq - fma_d(s, hfsq + r, k * 4.7493250390316726e-07)) - f);
+// (mpmath.chebyfit, degree 6: 3e-16 from the series, which moves ln u by < 2e-18). Every term is
+// scaled by -2, which is exact, so the bits are those of -2.0 * (the form above); the order of the
+// last subtraction keeps -2 ln 1 = -0, as the reference's -2.0 * log(1.0).
+inline VD neg2_log_unit(VD u) {
+  constexpr uint64_t kSqrtHalf = 0x3FE6A09E667F3BCDull;
+  const VU64 t = __builtin_bit_cast(VU64, u) + (0x3FF0000000000000ull - kSqrtHalf);
+  const VD m = __builtin_bit_cast(VD, (t & 0x000FFFFFFFFFFFFFull) + kSqrtHalf);
+  const VD k = __builtin_bit_cast(VD, (t >> 52) | 0x4330000000000000ull) - (0x1p52 + 1023.0);
+  const VD f = m - 1.0, s = f / (m + 1.0), z = s * s, f2 = f * f;
+  static constexpr double kP2[] = {2 * 0.666666666666667,  2 * 0.39999999999899505, 2 * 0.28571428625975487,
+                                   2 * 0.2222221113479508, 2 * 0.18182889125261723, 2 * 0.15331721600556042,
+                                   2 * 0.14616449685043406};  // 2 P
+  const VD r2 = z * horner(z, kP2);
+  return k * (-2 * 0.6931467056274414) - ((f + f) - (f2 - fma_d(s, f2 + r2, k * (2 * 4.7493250390316726e-07))));
+}
+
+// The lanes whose q is odd. AVX2's vblendvpd reads only each lane's sign bit, which q << 63 is.
+inline auto odd_lanes(VU64 q) {
+#if defined(__AVX512F__)
+  return (q & 1) != 0;
+#else
+  using VI64 = int64_t __attribute__((vector_size(8 * kDoubleLanes)));
+  return __builtin_bit_cast(VI64, q << 63) < 0;
+#endif
 }
 
 // cos(2 pi u), sin(2 pi u) for u in [0, 1], with no rounding of the angle (as the GPU's
@@ -746,7 +758,7 @@ inline void cossin_2pi(VD u, VD& c, VD& s) {
                                   4.710609726757823e-07,
                                   -6.321256869628588e-09};
   const VD sn = f * horner(f2, kS), cs = horner(f2, kC);
-  const auto odd = (q & 1) != 0;
+  const auto odd = odd_lanes(q);
   const VU64 sign_s = (q & 2) << 62, sign_c = ((q + 1) & 2) << 62;
   c = __builtin_bit_cast(VD, __builtin_bit_cast(VU64, odd ? sn : cs) ^ sign_c);
   s = __builtin_bit_cast(VD, __builtin_bit_cast(VU64, odd ? cs : sn) ^ sign_s);
@@ -756,7 +768,7 @@ inline void box_muller64_lanes(const double* u0, const double* u1, double* c, do
   VD a, b;
   __builtin_memcpy(&a, u0, sizeof(VD));
   __builtin_memcpy(&b, u1, sizeof(VD));
-  const VD r = sqrt_d(-2.0 * log_unit(a));
+  const VD r = sqrt_d(neg2_log_unit(a));
   VD cs, sn;
   cossin_2pi(b, cs, sn);
   const VD zc = r * cs, zs = r * sn;
