@@ -723,7 +723,8 @@ inline VD neg2_log_unit(VD u) {
                                    2 * 0.2222221113479508, 2 * 0.18182889125261723, 2 * 0.15331721600556042,
                                    2 * 0.14616449685043406};  // 2 P
   const VD r2 = z * horner(z, kP2);
-  return k * (-2 * 0.6931467056274414) - ((f + f) - (f2 - fma_d(s, f2 + r2, k * (2 * 4.7493250390316726e-07))));
+  return k * (-2 * 0.6931467056274414) -
+         ((f + f) - (f2 - fma_d(s, f2 + r2, k * (2 * 4.7493250390316726e-07))));
 }
 
 // The lanes whose q is odd. AVX2's vblendvpd reads only each lane's sign bit, which q << 63 is.
@@ -764,7 +765,20 @@ inline void cossin_2pi(VD u, VD& c, VD& s) {
   s = __builtin_bit_cast(VD, __builtin_bit_cast(VU64, odd ? cs : sn) ^ sign_s);
 }
 
-inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+// z[8 j] = zc[j] and z[8 j + 1] = zs[j] for every lane j: lane j of a run's kDoubleLanes blocks starts
+// its block's 8 normals 8 elements after lane j - 1.
+template <size_t... J>
+inline void store_pairs(VD zc, VD zs, double* z, std::index_sequence<J...>) {
+  using V2 = double __attribute__((vector_size(16)));
+  const auto store = [&](auto j) {
+    const V2 pair = __builtin_shufflevector(zc, zs, j(), kDoubleLanes + j());
+    __builtin_memcpy(z + 8 * j(), &pair, sizeof(pair));
+  };
+  (store(std::integral_constant<size_t, J>()), ...);
+}
+
+// box_muller64() of u0, u1's kDoubleLanes lanes, to z + 8 j (lane j: cos, then sin).
+inline void box_muller64_lanes(const double* u0, const double* u1, double* z) {
   VD a, b;
   __builtin_memcpy(&a, u0, sizeof(VD));
   __builtin_memcpy(&b, u1, sizeof(VD));
@@ -772,14 +786,13 @@ inline void box_muller64_lanes(const double* u0, const double* u1, double* c, do
   VD cs, sn;
   cossin_2pi(b, cs, sn);
   const VD zc = r * cs, zs = r * sn;
-  __builtin_memcpy(c, &zc, sizeof(VD));
-  __builtin_memcpy(s, &zs, sizeof(VD));
+  store_pairs(zc, zs, z, std::make_index_sequence<kDoubleLanes>());
 }
 #else
-inline void box_muller64_lanes(const double* u0, const double* u1, double* c, double* s) {
+inline void box_muller64_lanes(const double* u0, const double* u1, double* z) {
   const double r = std::sqrt(-2.0 * std::log(*u0)), theta = 6.283185307179586 * *u1;
-  *c = r * std::cos(theta);
-  *s = r * std::sin(theta);
+  z[0] = r * std::cos(theta);
+  z[1] = r * std::sin(theta);
 }
 #endif
 
@@ -821,13 +834,9 @@ inline void chacha_normal_run(uint64_t block, const ChachaKey& key, double* z) {
       __builtin_memcpy(&u[i][b], &v, sizeof(v));
     }
   }
-  alignas(64) double out[8][kBatch];
   for (int k = 0; k < 4; ++k) {
     for (int b = 0; b < kBatch; b += kDoubleLanes)
-      box_muller64_lanes(&u[2 * k][b], &u[2 * k + 1][b], &out[2 * k][b], &out[2 * k + 1][b]);
-  }
-  for (int b = 0; b < kBatch; ++b) {
-    for (int i = 0; i < 8; ++i) z[8 * b + i] = out[i][b];
+      box_muller64_lanes(&u[2 * k][b], &u[2 * k + 1][b], z + 8 * b + 2 * k);
   }
 }
 
