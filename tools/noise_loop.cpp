@@ -3,11 +3,11 @@
 // calls of the fused passes, which then write the same normals), ns per pair of ChaCha20 words
 // (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
 // best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
-// On the AVX2 and AVX-512 paths also the largest errors of the float64 transform's neg2_log_unit and
-// cossin_2pi against long double (64-bit mantissa) on 2^24 random uniforms and on the edges.
-// Built and run by tools/noise_loop.py. The Philox hash is the same on every path (all hash the
-// same 4,499,968 normals); the ChaCha20 one agrees between avx512 and avx2 only, as the portable
-// path's float64 normals come from the C library's log and cos (docs/RNG.md).
+// Also the largest errors of the float64 transform's neg2_log_unit and cossin_2pi against long double
+// (64-bit mantissa) on 2^24 random uniforms and on the edges. Built and run by tools/noise_loop.py.
+// The Philox hash is the same on every path (all hash the same 4,499,968 normals); the ChaCha20 one
+// agrees between avx512 and avx2, and with the portable path's only where that path's build has FMA
+// (not x86-64's baseline: there the transform rounds products and sums apart; docs/RNG.md).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -44,7 +44,6 @@ uint64_t fnv1a(const std::vector<T>& v) {
   return hash;
 }
 
-#if defined(__AVX2__)
 // ln u in ulps; cos(2 pi u), sin(2 pi u) absolute (their ulp error is unbounded near their zeros).
 void print_transform_errors() {
   double log_ulps = 0, cos_abs = 0, sin_abs = 0;
@@ -85,7 +84,6 @@ void print_transform_errors() {
   std::printf("         float64 transform on %lld uniforms: ln u within %.2f ulp, cos %.3g, sin %.3g\n",
               static_cast<long long>(points), log_ulps, cos_abs, sin_abs);
 }
-#endif
 
 int main() {
   // A whole number of runs on every path (kRun and kChachaNormalRun differ between them), so that
@@ -121,7 +119,5 @@ int main() {
       "chacha20 normal %.3f ns  hashes %016llx %016llx\n",
       normals / n * 1e9, chunked / n * 1e9, chacha / words.size() * 2e9, chacha_normals / zd.size() * 1e9,
       static_cast<unsigned long long>(fnv1a(z)), static_cast<unsigned long long>(fnv1a(zd)));
-#if defined(__AVX2__)
   print_transform_errors();
-#endif
 }

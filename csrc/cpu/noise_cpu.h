@@ -659,40 +659,48 @@ inline void chacha_run(uint64_t block, const ChachaKey& key, uint32_t* words) {
 }
 
 // (r cos theta, r sin theta), r = sqrt(-2 ln u0), theta = 2 pi u1 (chacha20.h's box_muller64), on
-// kDoubleLanes lanes. With FMA (the AVX2 and AVX-512 paths) by the polynomials below, written once
-// on GCC vector types, so both paths give the same bits: against a 64-bit-mantissa reference on
-// 1.7e7 uniforms (random, and every edge: u near 1, 2^-54 and the quadrant points), ln u within
-// 0.81 ulp and cos, sin within 1.5e-16, closer than cos(theta) of the rounded theta the reference
-// takes (up to 4.4e-16; tools/noise_loop.py prints these errors). They replaced Sleef's log and
-// sincos; with the interleaved keystream above, a ChaCha20 normal costs 1.2x less on AVX2
-// (docs/BENCHMARKS.md). The portable path calls the C library's log, sin and cos. The last-bit
-// differences between the two vanish in the one rounding to the output dtype except
-// within ~1e-15 of a rounding boundary (docs/RNG.md §6).
+// kDoubleLanes lanes, by the polynomials below, written once on GCC vector types for every path.
+// With FMA (the AVX2 and AVX-512 paths, and the portable one where its target has FMA, as aarch64)
+// they give the same bits on every path: against a 64-bit-mantissa reference on 1.7e7 uniforms
+// (random, and every edge: u near 1, 2^-54 and the quadrant points), ln u within 0.81 ulp and cos,
+// sin within 1.5e-16, closer than cos(theta) of the rounded theta the reference takes (up to
+// 4.4e-16; tools/noise_loop.py prints these errors). They replaced Sleef's log and sincos (a
+// ChaCha20 normal 1.2x faster on AVX2) and, on the portable path, the C library's log, sin and cos
+// (1.6x; docs/BENCHMARKS.md). Without FMA (baseline x86-64) products and sums round apart: ln u
+// within 0.83 ulp, cos and sin 1.5e-16; those last-bit differences vanish in the one rounding to
+// the output dtype except within ~1e-15 of a rounding boundary (docs/RNG.md §5).
 #if defined(__AVX512F__)
 constexpr int kDoubleLanes = 8;  // one register
 #elif defined(__AVX2__)
 constexpr int kDoubleLanes = 4;
 #else
-constexpr int kDoubleLanes = 1;
+constexpr int kDoubleLanes = 2;  // 16 bytes: SSE2, or any other target's vectors
 #endif
 
-#if defined(__AVX2__)
 using VD = double __attribute__((vector_size(8 * kDoubleLanes)));
 using VU64 = uint64_t __attribute__((vector_size(8 * kDoubleLanes)));
 
 inline VD fma_d(VD a, VD b, VD c) {
 #if defined(__AVX512F__)
   return _mm512_fmadd_pd(a, b, c);
-#else
+#elif defined(__AVX2__)
   return _mm256_fmadd_pd(a, b, c);
+#elif defined(__FP_FAST_FMA)
+  for (int i = 0; i < kDoubleLanes; ++i) a[i] = std::fma(a[i], b[i], c[i]);
+  return a;
+#else
+  return a * b + c;
 #endif
 }
 
 inline VD sqrt_d(VD x) {
 #if defined(__AVX512F__)
   return _mm512_sqrt_pd(x);
-#else
+#elif defined(__AVX2__)
   return _mm256_sqrt_pd(x);
+#else
+  for (int i = 0; i < kDoubleLanes; ++i) x[i] = std::sqrt(x[i]);
+  return x;
 #endif
 }
 
@@ -788,13 +796,6 @@ inline void box_muller64_lanes(const double* u0, const double* u1, double* z) {
   const VD zc = r * cs, zs = r * sn;
   store_pairs(zc, zs, z, std::make_index_sequence<kDoubleLanes>());
 }
-#else
-inline void box_muller64_lanes(const double* u0, const double* u1, double* z) {
-  const double r = std::sqrt(-2.0 * std::log(*u0)), theta = 6.283185307179586 * *u1;
-  z[0] = r * std::cos(theta);
-  z[1] = r * std::sin(theta);
-}
-#endif
 
 using VI4 = int32_t __attribute__((vector_size(16)));
 using VD4 = double __attribute__((vector_size(32)));
