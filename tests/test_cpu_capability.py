@@ -10,6 +10,7 @@ CPU runs, or a lower one that ``DPKERNELS_CPU_CAPABILITY`` forces.
   on AVX2/AVX-512, integer operations on the portable path: ``csrc/cpu/vec_cpu.h``);
 - the portable path's fused multiply-add, computed in double where the target has none, rounds as
   fmaf does (``tests/portable_fma_check.cpp``, with FMA visible to glibc and hidden from it);
+- ChaCha20's float64 transform is within its error bounds on every path (``tools/noise_loop.cpp``);
 - no AVX-512 instruction outside ``_cpu_avx512`` and no AVX instruction outside ``_cpu_avx2`` and
   ``_cpu_avx512``, and the streaming passes' prefetches are in every module (objdump of the built
   modules).
@@ -212,6 +213,33 @@ def test_optimizer_passes_take_fp32_square_roots(name):
 _spec = importlib.util.spec_from_file_location("dpk_build_config", ROOT / "tools" / "build_config.py")
 build_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_config)
+
+
+@pytest.mark.one_cpu_path
+@pytest.mark.parametrize("capability", _backend.runnable_cpu_capabilities())
+def test_chacha20_transform_accuracy(tmp_path, capability):
+    """ChaCha20's float64 Box-Muller transform (csrc/cpu/noise_cpu.h) as each path this CPU runs
+    builds it, against long double on 2^24 random uniforms and every edge (tools/noise_loop.cpp
+    --errors): ln u within 0.85 ulp, cos and sin within 1.6e-16 (with FMA 0.81 ulp and 1.45e-16; the
+    portable path on baseline x86-64 has none: 0.83 ulp and 1.5e-16), and -2 ln 1 = -0, as the
+    reference's -2.0 * log(1.0). Checked to fail (AVX2 and portable builds): the log's first
+    coefficient 1e-15 off (0.92 and 0.89 ulp), the sine's leading one 1e-15 off (6.5e-16), and the
+    last subtraction as ((f² - ...) - 2f) - 2k ln 2, the same value but +0 at u = 1.
+    """
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    exe = tmp_path / f"noise_loop_{capability}"
+    res = subprocess.run(build_config.program_command(ROOT / "tools" / "noise_loop.cpp", exe, capability),
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = subprocess.run([str(exe), "--errors"], capture_output=True, text=True, check=True).stdout
+    m = re.search(
+        r"on (\d+) uniforms: ln u within ([\d.]+) ulp, cos ([\d.e+-]+), sin ([\d.e+-]+), -2 ln 1 = ([-+])0", out
+    )
+    assert m, out
+    points, log_ulps, cos_err, sin_err = int(m[1]), float(m[2]), float(m[3]), float(m[4])
+    assert points > 16_000_000 and log_ulps <= 0.85 and cos_err <= 1.6e-16 and sin_err <= 1.6e-16, out
+    assert m[5] == "-", out
 
 
 @pytest.fixture(scope="module")

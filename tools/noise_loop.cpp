@@ -4,7 +4,8 @@
 // (chacha_run) and per float64 ChaCha20 normal (chacha_normal_run: the pair and its Box-Muller),
 // best of 9 passes over 4.5 M elements, and FNV-1a hashes of every normal's bits (Philox, ChaCha20).
 // Also the largest errors of the float64 transform's neg2_log_unit and cossin_2pi against long double
-// (64-bit mantissa) on 2^24 random uniforms and on the edges. Built and run by tools/noise_loop.py.
+// (64-bit mantissa) on 2^24 random uniforms and on the edges; with --errors only those. Built and
+// run by tools/noise_loop.py, and by tests/test_cpu_capability.py for the errors.
 // The Philox hash is the same on every path (all hash the same 4,499,968 normals); the ChaCha20 one
 // agrees between avx512 and avx2, and with the portable path's only where that path's build has FMA
 // (not x86-64's baseline: there the transform rounds products and sums apart; docs/RNG.md).
@@ -81,11 +82,21 @@ void print_transform_errors() {
   };
   for (int e = 0; e <= 54; ++e) edge(std::ldexp(1.0, -e), 64);
   for (int q = 0; q <= 8; ++q) edge(q / 8.0, 4096);
-  std::printf("         float64 transform on %lld uniforms: ln u within %.2f ulp, cos %.3g, sin %.3g\n",
-              static_cast<long long>(points), log_ulps, cos_abs, sin_abs);
+  // The reference's -2.0 * log(1.0) is -0, and the normal's sign of zero follows it.
+  cpu::VD one, sign;
+  for (int k = 0; k < cpu::kDoubleLanes; ++k) one[k] = 1.0;
+  sign = cpu::neg2_log_unit(one);
+  std::printf(
+      "         float64 transform on %lld uniforms: ln u within %.3f ulp, cos %.3g, sin %.3g, -2 ln 1 = "
+      "%s0\n",
+      static_cast<long long>(points), log_ulps, cos_abs, sin_abs, std::signbit(sign[0]) ? "-" : "+");
 }
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--errors") == 0) {  // the errors alone (tests/test_cpu_capability.py)
+    print_transform_errors();
+    return 0;
+  }
   // A whole number of runs on every path (kRun and kChachaNormalRun differ between them), so that
   // every path hashes the same normals.
   constexpr int64_t kCommonRun = 128;
