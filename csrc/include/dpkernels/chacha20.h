@@ -1,5 +1,6 @@
-// ChaCha20 (RFC 8439 §2.3) and the float64 Box-Muller transform of dpkernels' secure noise mode
-// (docs/RNG.md §6), shared by the CPU and CUDA kernels. The Python reference is
+// ChaCha20 (RFC 8439 §2.3), its 53-bit uniforms and one rounding to the output dtype, shared by the
+// CPU and CUDA kernels, and the GPU's float64 Box-Muller transform of dpkernels' secure noise mode
+// (docs/RNG.md §6). The Python reference is
 // dpkernels/reference/noise.py (chacha20_*) and the Triton version triton_kernels/chacha.py; the
 // uint32 words are bit-identical on all four.
 #pragma once
@@ -109,32 +110,27 @@ DPK_HOST_DEVICE inline double uniform53(uint32_t lo, uint32_t hi) {
   return static_cast<double>(m) * 0x1p-53 + 0x1p-54;
 }
 
-// Box-Muller in float64: z0 = r cos(2 pi u_b), z1 = r sin(2 pi u_b), r = sqrt(-2 ln u_a). On the GPU
-// sincospi(2 u_b) (no Payne-Hanek slow path, so no local memory), on the host cos/sin of the
-// float64 theta = 2 pi u_b; the two differ by the rounding of theta, about 1 ulp of z.
-DPK_HOST_DEVICE inline void box_muller64(double ua, double ub, double& z0, double& z1) {
+#if defined(__CUDACC__)
+// Box-Muller in float64 on the GPU: z0 = r cos(2 pi u_b), z1 = r sin(2 pi u_b), r = sqrt(-2 ln u_a),
+// by sincospi(2 u_b) (no rounding of theta; no Payne-Hanek slow path, so no local memory). The CPU
+// kernels evaluate the same formula with their own polynomials (csrc/cpu/noise_cpu.h,
+// box_muller64_lanes); the two differ in the last bits (docs/RNG.md §5).
+DPK_DEVICE inline void box_muller64(double ua, double ub, double& z0, double& z1) {
   const double r = sqrt(-2.0 * log(ua));
-#if defined(__CUDA_ARCH__)
   double s, c;
   sincospi(2.0 * ub, &s, &c);
   z0 = r * c;
   z1 = r * s;
-#else
-  const double theta = 6.283185307179586 * ub;
-  z0 = r * std::cos(theta);
-  z1 = r * std::sin(theta);
-#endif
 }
 
 // The 8 float64 normals of one block's 16 words: uniform u_i from (w[2i], w[2i+1]), pairs (u_2k, u_2k+1).
-DPK_HOST_DEVICE inline void chacha_normals(const uint32_t (&w)[16], double (&z)[8]) {
-#if defined(__CUDACC__)
+DPK_DEVICE inline void chacha_normals(const uint32_t (&w)[16], double (&z)[8]) {
 #pragma unroll
-#endif
   for (int k = 0; k < 4; ++k)
     box_muller64(uniform53(w[4 * k], w[4 * k + 1]), uniform53(w[4 * k + 2], w[4 * k + 3]), z[2 * k],
                  z[2 * k + 1]);
 }
+#endif
 
 // The float64 value rounded once to T. Directly for float; for the 16-bit types via float with
 // round-to-odd (truncate, then set the last bit if inexact), which float's 13+ extra bits make
